@@ -1,0 +1,364 @@
+"""Tests in layers: pure math, components with tiny models, the multi-process system on CPU.
+
+Run: python -m pytest -q test_tba.py   (all on CPU; GPU/vLLM tests skip with a reason without one)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import pickle
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from buffer import ReplayBuffer, Trajectory
+from rewards import RewardModelReward, extract_answer, gsm8k_reward
+from tba import (TBAConfig, beta_at, config_argparser, config_from_args, pad_sequences,
+                 sequence_logprobs, tb_log_z, tb_loss, wsd_lr_factor)
+
+GSM8K_DIR = Path(__file__).resolve().parent.parent / "shared" / "data" / "gsm8k"
+
+
+# =============================================================================== the loss
+
+def slow_tb_loss(logp, ref_logp, reward, beta):
+    """Reference: per-element Python loops over floats, straight from the paper's Eq. 5."""
+    total, count = 0.0, 0
+    for i in range(len(logp)):
+        d = [logp[i][j] - ref_logp[i][j] - reward[i][j] / beta for j in range(len(logp[i]))]
+        log_z = -sum(d) / len(d)
+        for dj in d:
+            total += (log_z + dj) ** 2
+            count += 1
+    return total / count
+
+
+def test_tb_loss_matches_slow_loop():
+    gen = torch.Generator().manual_seed(0)
+    for p, k, beta in [(1, 2, 1.0), (3, 5, 0.1), (7, 20, 0.012)]:
+        logp = torch.randn(p, k, generator=gen, dtype=torch.float64) * 10
+        ref = torch.randn(p, k, generator=gen, dtype=torch.float64) * 10
+        reward = torch.rand(p, k, generator=gen, dtype=torch.float64)
+        want = slow_tb_loss(logp.tolist(), ref.tolist(), reward.tolist(), beta)
+        got = tb_loss(logp, ref, reward, beta).item()
+        assert got == pytest.approx(want, rel=1e-10, abs=1e-9)
+        assert tb_log_z(logp, ref, reward, beta).shape == (p,)
+
+
+def test_tb_loss_rejects_bad_shapes():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="shape"):
+        tb_loss(x, torch.zeros(2, 4), x, 1.0)
+    with pytest.raises(ValueError, match="K must be"):
+        tb_loss(torch.zeros(2, 1), torch.zeros(2, 1), torch.zeros(2, 1), 1.0)
+    with pytest.raises(ValueError, match="beta"):
+        tb_loss(x, x, x, 0.0)
+
+
+class TabularPolicy(torch.nn.Module):
+    """An autoregressive policy over all length-L sequences of a V-token vocabulary.
+
+    One row of logits per prefix (1 + V + ... + V^(L-1) rows), so it can represent every
+    distribution over the V^L sequences exactly -- the closed-form target is reachable.
+    """
+
+    def __init__(self, vocab: int, length: int, scale: float = 0.0, seed: int = 0):
+        super().__init__()
+        self.vocab, self.length = vocab, length
+        self.prefixes = {pre: i for i, pre in enumerate(
+            pre for n in range(length) for pre in itertools.product(range(vocab), repeat=n))}
+        gen = torch.Generator().manual_seed(seed)
+        self.logits = torch.nn.Parameter(
+            torch.randn(len(self.prefixes), vocab, generator=gen, dtype=torch.float64) * scale)
+        self.sequences = list(itertools.product(range(vocab), repeat=length))
+
+    def log_prob(self, seqs: list[tuple[int, ...]]) -> torch.Tensor:
+        logp = torch.log_softmax(self.logits, dim=-1)
+        rows = torch.tensor([[self.prefixes[s[:t]] for t in range(self.length)] for s in seqs])
+        toks = torch.tensor(seqs)
+        return logp[rows, toks].sum(dim=-1)
+
+    def sample(self, n: int, gen: torch.Generator) -> list[tuple[int, ...]]:
+        probs = self.log_prob(self.sequences).exp().detach()
+        idx = torch.multinomial(probs, n, replacement=True, generator=gen)
+        return [self.sequences[i] for i in idx.tolist()]
+
+
+def test_tb_gradient_on_policy_equals_reinforce_with_mean_baseline():
+    """Paper App. A: grad tb_loss = -(2/beta) * REINFORCE(mean baseline) on R = r - beta log(pi/ref)."""
+    beta, p, k = 0.3, 4, 6
+    policy, ref = TabularPolicy(3, 3, scale=1.0, seed=1), TabularPolicy(3, 3, scale=1.0, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    seqs = [policy.sample(k, gen) for _ in range(p)]  # on-policy samples, P prompts x K
+    reward = torch.rand(p, k, generator=gen, dtype=torch.float64)
+    ref_logp = torch.stack([ref.log_prob(s) for s in seqs]).detach()
+
+    logp = torch.stack([policy.log_prob(s) for s in seqs])
+    grad_tb, = torch.autograd.grad(tb_loss(logp, ref_logp, reward, beta), policy.logits)
+
+    logp = torch.stack([policy.log_prob(s) for s in seqs])
+    kl_reward = (reward - beta * (logp - ref_logp)).detach()
+    advantage = kl_reward - kl_reward.mean(dim=1, keepdim=True)
+    surrogate = (advantage * logp).mean()  # gradient = the REINFORCE ascent direction
+    grad_pg, = torch.autograd.grad(surrogate, policy.logits)
+
+    assert grad_tb.abs().max() > 1e-3  # not trivially zero
+    torch.testing.assert_close(grad_tb, -(2.0 / beta) * grad_pg, rtol=1e-9, atol=1e-12)
+
+
+def test_tb_off_policy_converges_to_closed_form_target():
+    """Trained only on samples of a fixed behaviour distribution (not the policy), the policy
+    reaches p_ref * exp(r / beta) / Z; tb_loss is ~0 there."""
+    vocab, length, beta = 3, 3, 0.5
+    policy = TabularPolicy(vocab, length, scale=0.0)
+    ref = TabularPolicy(vocab, length, scale=1.0, seed=11)
+    behaviour = TabularPolicy(vocab, length, scale=1.5, seed=12)  # fixed, unlike the policy
+    gen = torch.Generator().manual_seed(13)
+    reward_of = dict(zip(policy.sequences,
+                         torch.rand(len(policy.sequences), generator=gen, dtype=torch.float64).tolist()))
+    with torch.no_grad():
+        target = (ref.log_prob(policy.sequences)
+                  + torch.tensor([reward_of[s] for s in policy.sequences]) / beta).softmax(0)
+
+    opt = torch.optim.Adam(policy.parameters(), lr=0.05)
+    p, k = 8, 8
+    for _ in range(1500):
+        seqs = [behaviour.sample(k, gen) for _ in range(p)]
+        flat = [s for group in seqs for s in group]
+        logp = policy.log_prob(flat).view(p, k)
+        ref_logp = ref.log_prob(flat).view(p, k).detach()
+        reward = torch.tensor([reward_of[s] for s in flat], dtype=torch.float64).view(p, k)
+        loss = tb_loss(logp, ref_logp, reward, beta)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    with torch.no_grad():
+        learned = policy.log_prob(policy.sequences).exp()
+        tv = 0.5 * (learned - target).abs().sum().item()
+    assert tv < 0.01, f"total variation {tv:.4f} from p_ref exp(r/beta)/Z"
+
+    # At the exact target the loss is 0 for any batch: d is constant in y.
+    with torch.no_grad():
+        all_logp = target.log().view(1, -1)
+        all_ref = ref.log_prob(policy.sequences).view(1, -1)
+        all_r = torch.tensor([reward_of[s] for s in policy.sequences], dtype=torch.float64).view(1, -1)
+        assert tb_loss(all_logp, all_ref, all_r, beta).item() < 1e-12
+        assert tb_loss(all_logp + 0.1 * torch.arange(27).view(1, -1),
+                       all_ref, all_r, beta).item() > 1e-3  # and not 0 elsewhere
+
+
+def test_sequence_logprobs_masks_prompt_and_padding():
+    """sequence_logprobs equals a per-token loop over response tokens only (EOS included)."""
+    torch.manual_seed(0)
+    vocab = 11
+    emb = torch.nn.Embedding(vocab, vocab)
+
+    class Toy(torch.nn.Module):
+        def forward(self, input_ids, attention_mask):
+            return type("Out", (), {"logits": emb(input_ids).cumsum(1)})()
+
+    prompts, responses = [[1, 2, 3], [4, 5]], [[6, 7, 10], [8]]
+    ids, attn, resp = pad_sequences(prompts, responses, pad_id=0)
+    got = sequence_logprobs(Toy(), ids, attn, resp)
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        seq = torch.tensor([p + r])
+        logits = Toy()(seq, None).logits[0].double().log_softmax(-1)
+        want = sum(logits[len(p) + j - 1, tok].item() for j, tok in enumerate(r))
+        assert got[row].item() == pytest.approx(want, abs=1e-5)
+
+
+# =============================================================================== schedules, config
+
+def test_schedules():
+    assert beta_at(0, 0.012, 0.004, 500) == pytest.approx(0.012)
+    assert beta_at(250, 0.012, 0.004, 500) == pytest.approx(0.008)
+    assert beta_at(10_000, 0.012, 0.004, 500) == pytest.approx(0.004)
+    factors = [wsd_lr_factor(s, 50, 450, 500) for s in range(1001)]
+    assert factors[0] == pytest.approx(1 / 50) and factors[49] == pytest.approx(1.0)
+    assert all(f == 1.0 for f in factors[50:500])
+    assert factors[750] == pytest.approx(0.5) and factors[1000] == 0.0
+    assert all(a >= b for a, b in zip(factors[500:], factors[501:]))
+
+
+def test_config_defaults_validation_and_cli():
+    cfg = TBAConfig()
+    assert (cfg.group_size, cfg.num_generations, cfg.prompts_per_step, cfg.sync_every) == (20, 24, 7, 2)
+    assert (cfg.beta_start, cfg.beta_end, cfg.mop_prob, cfg.temperature) == (0.012, 0.004, 0.95, 0.7)
+    with pytest.raises(ValueError, match="group_size"):
+        TBAConfig(group_size=1)
+    with pytest.raises(ValueError, match="mop_prob"):
+        TBAConfig(mop_prob=1.5)
+    with pytest.raises(ValueError, match="searcher_devices"):
+        TBAConfig(num_searchers=2, searcher_devices="cuda:1,cuda:2,cuda:3")
+    with pytest.raises(ValueError, match="num_generations"):
+        TBAConfig(num_generations=200)
+    args = config_argparser().parse_args(["--total_steps", "7", "--synchronous", "--beta_end", "0.01"])
+    cfg = config_from_args(args, base={"total_steps": 3, "lr": 1e-3})
+    assert (cfg.total_steps, cfg.synchronous, cfg.beta_end, cfg.lr) == (7, True, 0.01, 1e-3)
+
+
+# =============================================================================== replay buffer
+
+def traj(pid, tokens, reward=0.0, version=0):
+    return Trajectory(prompt_id=pid, prompt_tokens=[1, 2], response_tokens=list(tokens),
+                      reward=reward, ref_logprob=-1.0, version=version)
+
+
+def test_buffer_dedup_keeps_newest_and_capacity_evicts_oldest():
+    buf = ReplayBuffer(capacity=4)
+    buf.add(traj("a", [5, 6], reward=0.0, version=0))
+    buf.add(traj("a", [5, 6], reward=1.0, version=3))
+    assert len(buf) == 1
+    assert (buf.groups["a"][0].reward, buf.groups["a"][0].version) == (1.0, 3)
+    for v in range(10):
+        buf.add(traj("b", [v], version=v))
+    assert [t.version for t in buf.groups["b"]] == [6, 7, 8, 9]
+    with pytest.raises(ValueError, match="non-finite reward"):
+        buf.add(traj("c", [1], reward=float("nan")))
+
+
+def test_buffer_shapes_and_sampling_with_replacement():
+    buf = ReplayBuffer(capacity=10, seed=0)
+    for pid in range(5):
+        for j in range(3):  # fewer items than K: sampled with replacement
+            buf.add(traj(pid, [pid, j]))
+    groups, is_mop = buf.sample(4, 8)
+    assert len(groups) == 4 and all(len(g) == 8 for g in groups) and len(is_mop) == 4
+    assert len({g[0].prompt_id for g in groups}) == 4  # distinct prompts within a step
+    assert all(len({t.prompt_id for t in g}) == 1 for g in groups)
+    with pytest.raises(ValueError, match="prompts asked"):
+        buf.sample(6, 2)
+
+
+def test_buffer_mop_fraction_and_mop_groups_are_newest():
+    m = 0.7
+    buf = ReplayBuffer(capacity=50, mop_prob=m, seed=1)
+    for pid in range(40):
+        for j in range(6):
+            buf.add(traj(pid, [pid, j], version=0))
+    for pid in range(30, 40):  # ten prompts refreshed by version 2
+        for j in range(6):
+            buf.add(traj(pid, [pid, 100 + j], version=2))
+    flags = []
+    for _ in range(600):
+        groups, is_mop = buf.sample(1, 4)
+        flags += is_mop
+        for g, mop in zip(groups, is_mop):
+            if mop:
+                assert g[0].prompt_id in range(30, 40) and all(t.version == 2 for t in g)
+    frac = sum(flags) / len(flags)
+    assert abs(frac - m) < 0.07, f"MOP fraction {frac:.3f}, expected ~{m}"
+
+
+def test_buffer_inv_temp_zero_is_uniform_and_large_picks_best():
+    uniform = ReplayBuffer(capacity=10, mop_prob=0.0, inv_temp=0.0, seed=2)
+    for j in range(10):
+        uniform.add(traj("p", [j], reward=float(j)))
+    counts = [0] * 10
+    for _ in range(3000):
+        for t in uniform.sample(1, 2)[0][0]:
+            counts[t.response_tokens[0]] += 1
+    freqs = [c / 6000 for c in counts]
+    assert max(abs(f - 0.1) for f in freqs) < 0.025, freqs
+
+    greedy = ReplayBuffer(capacity=10, mop_prob=0.0, inv_temp=1000.0, seed=3)
+    for j in range(10):
+        greedy.add(traj("p", [j], reward=float((7 * j) % 10)))  # rewards 0..9, shuffled
+    for _ in range(50):
+        picked = sorted(t.reward for t in greedy.sample(1, 3)[0][0])
+        assert picked == [7.0, 8.0, 9.0]
+
+
+def test_buffer_state_round_trip(tmp_path):
+    buf = ReplayBuffer(capacity=5, mop_prob=0.5, inv_temp=2.0, seed=4)
+    for pid in range(6):
+        for j in range(4):
+            buf.add(traj(pid, [pid, j], reward=random.Random(j).random(), version=pid % 3))
+    buf.sample(2, 3)
+    torch.save(buf.state_dict(), tmp_path / "buf.pt")
+    copy = ReplayBuffer()
+    copy.load_state_dict(torch.load(tmp_path / "buf.pt", weights_only=True))
+    assert copy.stats(5) == buf.stats(5)
+    for _ in range(5):
+        a, b = buf.sample(3, 4), copy.sample(3, 4)
+        assert [[t.response_tokens for t in g] for g in a[0]] == [[t.response_tokens for t in g] for g in b[0]]
+        assert a[1] == b[1]
+
+
+# =============================================================================== rewards
+
+def load_gsm8k():
+    rows = []
+    for split in ("train", "test"):
+        with open(GSM8K_DIR / f"{split}.jsonl") as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    return rows
+
+
+def test_gsm8k_reward_on_every_real_example():
+    rows = load_gsm8k()
+    assert len(rows) == 8792
+    for ex in rows:
+        assert gsm8k_reward(ex["answer"], ex) == 1.0, ex["answer"][-80:]
+        head, gold = ex["answer"].rsplit("####", 1)
+        wrong = str(int(gold.strip().replace(",", "")) + 1)
+        assert gsm8k_reward(f"{head}#### {wrong}", ex) == 0.0, ex["answer"][-80:]
+
+
+@pytest.mark.parametrize("completion,expected", [
+    ("so the total is 1,000 apples.", 1.0),
+    ("The answer is $1000.00", 1.0),
+    ("\\boxed{1000}", 1.0),
+    ("A: 1000", 1.0),
+    ("First 3 then 1000 #### 1,000", 1.0),
+    ("We get 1000 but #### 999", 0.0),
+    ("1000 then 12", 0.0),  # the last number counts
+])
+def test_gsm8k_reward_forms(completion, expected):
+    assert gsm8k_reward(completion, {"answer": "... #### 1000"}) == expected
+
+
+def test_gsm8k_reward_numbers_negatives_decimals():
+    assert gsm8k_reward("It is -3 degrees", {"answer": "#### -3"}) == 1.0
+    assert gsm8k_reward("It is \u22123 degrees", {"answer": "#### -3"}) == 1.0
+    assert gsm8k_reward("costs $18.00", {"answer": "#### 18"}) == 1.0
+    assert gsm8k_reward("2.5 cups", {"answer": "#### 2.5"}) == 1.0
+    assert gsm8k_reward("2.50 cups", {"answer": "#### 2.5"}) == 1.0
+    assert gsm8k_reward("25 cups", {"answer": "#### 2.5"}) == 0.0
+
+
+@pytest.mark.parametrize("odd", ["", "no digits here", "日本語の答え ✓ 🎉", "x" * 10_000,
+                                 "9" * 10_000, "1e400000", "#### ", "\\boxed{}", None, 12])
+def test_gsm8k_reward_odd_inputs_score_zero_without_raising(odd):
+    assert gsm8k_reward(odd, {"answer": "#### 7"}) == 0.0
+
+
+def test_gsm8k_reward_bad_example_is_loud():
+    with pytest.raises(ValueError, match="gold"):
+        gsm8k_reward("7", {"answer": "no marker"})
+    with pytest.raises(ValueError, match="not a number"):
+        gsm8k_reward("7", {"answer": "#### seven"})
+    assert extract_answer("#### 12") == 12
+
+
+def test_reward_model_reward_with_tiny_classifier(tmp_path):
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+    from run_gsm8k import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    cfg = GPT2Config(vocab_size=len(tok), n_positions=128, n_embd=16, n_layer=1, n_head=2,
+                     num_labels=1, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    GPT2ForSequenceClassification(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    reward = pickle.loads(pickle.dumps(RewardModelReward(str(tmp_path))))  # as a spawned searcher gets it
+    a = reward(" 12 + 3 = 15", {"prompt": "Q: 12 + 3?"})
+    b = reward(" 12 + 3 = 16", {"prompt": "Q: 12 + 3?"})
+    assert isinstance(a, float) and math.isfinite(a) and a != b
+    assert reward(" 12 + 3 = 15", {"prompt": "Q: 12 + 3?"}) == a
+    assert pickle.loads(pickle.dumps(reward))._model is None  # weights never pickled
