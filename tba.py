@@ -139,7 +139,12 @@ class TBAConfig:
     sync_every: int = _knob(2, "k: publish trainer weights every k steps")
     buffer_capacity: int = _knob(100, "trajectories kept per prompt (oldest evicted, dedup by tokens)")
     initial_samples: int = _knob(500, "trajectories in the buffer before the first step")
-    queue_size: int = _knob(64, "bound of the trajectory queue, in messages (one per prompt)")
+    queue_size: int = _knob(8, "bound of the trajectory queue, in messages (one per generate call)")
+    parity_check: bool = _knob(False, "after each weight load, a searcher checks its engine's log-prob "
+                                      "of a probe response against the trainer's (loud error if off)")
+    parity_tol: float = _knob(0.02, "relative tolerance of the parity check (bf16 engines differ a little)")
+    max_searcher_restarts: int = _knob(3, "restarts of failed searchers before the run stops loudly")
+    torch_threads: int = _knob(0, "torch CPU threads per process; 0 = cores / processes")
     # --- run ---
     seed: int = _knob(0, "seed of trainer, buffer and searchers (searcher s uses seed + 1 + s)")
     output_dir: str = _knob("runs/gsm8k", "metrics.jsonl, results.json, checkpoints")
@@ -161,7 +166,8 @@ class TBAConfig:
                      "buffer_capacity", "queue_size"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "stable_steps", "decay_steps", "beta_anneal_steps",
-                     "initial_samples", "eval_every", "eval_subset", "weight_decay"):
+                     "initial_samples", "eval_every", "eval_subset", "weight_decay",
+                     "max_searcher_restarts", "torch_threads"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(self.group_size >= 2, "group_size (K) must be >= 2: log Z is a mean over K, "
                                    "so with K = 1 the loss is identically 0")
@@ -185,6 +191,11 @@ class TBAConfig:
         need(len(devices) in (1, self.num_searchers),
              f"searcher_devices lists {len(devices)} devices for {self.num_searchers} searchers "
              "(give one per searcher, or one for all)")
+        need(not self.synchronous or self.num_searchers * self.searcher_batch_prompts
+             >= self.prompts_per_step,
+             "synchronous mode generates one batch per searcher per version: num_searchers * "
+             "searcher_batch_prompts must be >= prompts_per_step")
+        need(self.parity_tol > 0, f"parity_tol must be > 0, got {self.parity_tol}")
         need(self.warmup_steps + self.stable_steps + self.decay_steps >= 1,
              "warmup_steps + stable_steps + decay_steps must be >= 1")
 

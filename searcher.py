@@ -1,0 +1,366 @@
+"""Searcher processes: generate, score, compute reference log-probs, stream trajectories.
+
+A searcher owns one generation engine (a copy of the policy at some version), a frozen reference
+model, its shard of the prompts and a seed of its own. Its loop is step 1 of tba.py's algorithm:
+
+    load the newest weights if any (between generate calls) -> generate N responses per prompt
+    -> reward -> reference log-probs -> put a message with the trajectories on the queue
+
+Two engines share one small interface (``generate`` token ids, ``load_weights`` named tensors):
+``HFEngine`` (transformers ``generate``, CPU or CUDA, tested here) and ``VLLMEngine`` (vLLM 0.33.0,
+written by reading its source; it cannot run on the machines this project is tested on).
+
+Messages on the queue (all plain picklable tuples):
+    ("batch", rank, trajectories, stats)   stats: timings, version, weight checksum
+    ("error", rank, traceback_text)        the searcher then exits with code 1
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import queue as queue_lib
+import random
+import signal
+import time
+import traceback
+from typing import Callable, Iterable, Protocol
+
+import torch
+
+from buffer import Trajectory
+from tba import TBAConfig, pad_sequences, sequence_logprobs
+
+
+class Engine(Protocol):
+    """What a searcher needs from a generation engine."""
+
+    def generate(self, prompts: list[list[int]], n: int) -> list[list[tuple[list[int], float | None]]]:
+        """For each prompt, n (response token ids with EOS if generated, behaviour log-prob or None)."""
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy named parameters (HF checkpoint names) into the engine's policy."""
+
+    def sequence_logprob(self, prompt: list[int], response: list[int]) -> float:
+        """log pi(response|prompt) under the engine's current weights (post-sync parity check)."""
+
+    def checksum(self) -> float | None:
+        """A checksum of the policy weights comparable with the trainer's, or None."""
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per load per process drowns the trainer's bar
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                 trust_remote_code=trust_remote_code)
+    return model.to(device)
+
+
+def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> float:
+    """Order-sensitive float64 checksum of named tensors: equal weights give equal sums."""
+    total = 0.0
+    for i, (_, t) in enumerate(named):
+        total += (i + 1) * t.detach().double().sum().item() + t.detach().double().abs().sum().item()
+    return total
+
+
+def cut_at_eos(tokens: list[int], eos_id: int, pad_id: int | None) -> list[int]:
+    """Response up to and including the first EOS; trailing padding removed."""
+    if eos_id in tokens:
+        return tokens[:tokens.index(eos_id) + 1]
+    while tokens and pad_id is not None and tokens[-1] == pad_id:
+        tokens = tokens[:-1]
+    return tokens
+
+
+# ----------------------------------------------------------------------------- engines
+
+class HFEngine:
+    """transformers ``generate`` on CPU or CUDA; the policy is a plain nn.Module."""
+
+    def __init__(self, cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int):
+        self.cfg, self.device, self.eos_id, self.pad_id = cfg, device, eos_id, pad_id
+        self.model = load_causal_lm(cfg.model, cfg.torch_dtype(), device, cfg.trust_remote_code)
+        self.model.eval().requires_grad_(False)
+        self.params = dict(self.model.named_parameters())
+
+    @torch.no_grad()
+    def generate(self, prompts, n):
+        # Left-pad the batch (generation appends on the right); each prompt repeated n times.
+        rows = [p for p in prompts for _ in range(n)]
+        width = max(len(p) for p in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, p in enumerate(rows):
+            ids[i, width - len(p):] = torch.tensor(p)
+            attn[i, width - len(p):] = 1
+        out = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=attn.to(self.device), do_sample=True,
+            temperature=self.cfg.temperature, top_k=0, top_p=1.0,
+            max_new_tokens=self.cfg.max_new_tokens, eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id)
+        responses = [cut_at_eos(row, self.eos_id, self.pad_id) for row in out[:, width:].tolist()]
+        return [[(r, None) for r in responses[i * n:(i + 1) * n]] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def load_weights(self, named):
+        for name, tensor in named:
+            self.params[name].copy_(tensor)
+
+    @torch.no_grad()
+    def sequence_logprob(self, prompt, response):
+        ids, attn, resp = pad_sequences([prompt], [response], self.pad_id, self.device)
+        return sequence_logprobs(self.model, ids, attn, resp).item()
+
+    def checksum(self):
+        return weights_checksum(self.params.items())
+
+
+def _vllm_reload_weights(llm, named: list[tuple[str, torch.Tensor]]) -> None:
+    """vLLM 0.33.0 internal, kept in this one function: swap weights in an in-process engine.
+
+    vLLM has no public "set weights" API. In 0.33.0, ``LLM.collective_rpc`` (public) runs a
+    worker method in-process (args passed by reference, nothing pickled) and ``Worker.
+    reload_weights`` (internal, vllm/v1/worker/gpu_worker.py) calls ``model.load_weights`` with
+    HF checkpoint names, then ``process_weights_after_loading`` and copies into the original
+    storage so captured CUDA graphs stay valid. The old prefix cache holds KV computed with the
+    old weights, so it is dropped; it must succeed, as no request runs between generate calls.
+    Re-check this function when moving to another vLLM version.
+    """
+    llm.collective_rpc("reload_weights",
+                       kwargs={"weights_iterator": named, "is_checkpoint_format": True})
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused reset_prefix_cache() after a weight load: requests "
+                           "were still running, which should be impossible between generate calls")
+
+
+class VLLMEngine:
+    """vLLM 0.33.0 in-process engine pinned to one GPU, for the paper setup on 4xA100."""
+
+    def __init__(self, cfg: TBAConfig, device: torch.device, eos_id: int, seed: int):
+        # In-process engine core, so this process can reach the model to load weights.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM, SamplingParams
+
+        self.cfg, self.eos_id, self._sampling = cfg, eos_id, SamplingParams
+        # device_ids pins the engine to the searcher's GPU without CUDA_VISIBLE_DEVICES, so the
+        # trainer's GPU stays visible and the CUDA-IPC weight store can be opened here.
+        self.llm = LLM(model=cfg.model, dtype=cfg.dtype, seed=seed, device_ids=[device.index],
+                       gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                       enable_prefix_caching=True, trust_remote_code=cfg.trust_remote_code,
+                       logprobs_mode="processed_logprobs")
+
+    def generate(self, prompts, n):
+        from vllm import TokensPrompt
+
+        params = self._sampling(n=n, temperature=self.cfg.temperature, top_p=1.0,
+                                max_tokens=self.cfg.max_new_tokens, stop_token_ids=[self.eos_id],
+                                logprobs=0, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                 sampling_params=params, use_tqdm=False)
+        # token_ids include the EOS when generation stopped on it (vLLM 0.33.0 appends it
+        # before the stop check); logprobs_mode="processed_logprobs" makes cumulative_logprob
+        # the log-prob under the tempered sampling distribution, i.e. the behaviour policy.
+        return [[(list(c.token_ids), c.cumulative_logprob) for c in o.outputs] for o in outs]
+
+    def load_weights(self, named):
+        _vllm_reload_weights(self.llm, list(named))
+
+    def sequence_logprob(self, prompt, response):
+        from vllm import TokensPrompt
+
+        params = self._sampling(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt + response)],
+                                sampling_params=params, use_tqdm=False)[0]
+        ids = prompt + response
+        return sum(out.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt), len(ids)))
+
+    def checksum(self):
+        return None  # vLLM fuses and re-lays weights (qkv, gate_up); the parity check covers it
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_engine(cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int, seed: int) -> Engine:
+    """``auto``: vLLM when importable and the searcher is on a GPU, else transformers."""
+    use_vllm = cfg.engine == "vllm" or (cfg.engine == "auto" and device.type == "cuda"
+                                        and vllm_available())
+    if use_vllm:
+        if device.type != "cuda":
+            raise ValueError(f"engine=vllm needs a CUDA searcher device, got {device}")
+        return VLLMEngine(cfg, device, eos_id, seed)
+    return HFEngine(cfg, device, eos_id, pad_id)
+
+
+# ----------------------------------------------------------------------------- the searcher
+
+class Searcher:
+    """One searcher's state and loop; ``searcher_main`` runs it in a child process."""
+
+    def __init__(self, rank: int, cfg: TBAConfig, examples: list[dict], reward_fn: Callable,
+                 store, out_queue, stop_event, probe: tuple[list[int], list[int]] | None):
+        from transformers import AutoTokenizer
+
+        self.rank, self.cfg, self.reward_fn = rank, cfg, reward_fn
+        self.store, self.queue, self.stop_event, self.probe = store, out_queue, stop_event, probe
+        self.seed = cfg.seed + 1 + rank
+        self.device = torch.device(cfg.searcher_device_list()[rank])
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(self.seed)
+        self.rng = random.Random(self.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        eos_id = self.tokenizer.eos_token_id
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_id
+        self.pad_id = pad_id
+        self.examples = examples
+        self.prompt_ids = [self.tokenizer(ex["prompt"])["input_ids"] for ex in examples]
+        self.engine = make_engine(cfg, self.device, eos_id, pad_id, self.seed)
+        self.ref = load_causal_lm(cfg.ref_model or cfg.model, cfg.torch_dtype(), self.device,
+                                  cfg.trust_remote_code).eval().requires_grad_(False)
+        self.version = -1
+        self.order: list[int] = []
+
+    def should_stop(self) -> bool:
+        """The run is ending, or the trainer process is gone (never outlive it as an orphan)."""
+        parent = multiprocessing.parent_process()
+        return self.stop_event.is_set() or (parent is not None and not parent.is_alive())
+
+    def next_prompts(self) -> list[int]:
+        """Indices into this searcher's shard; reshuffled (seeded) every pass."""
+        picked = []
+        while len(picked) < self.cfg.searcher_batch_prompts:
+            if not self.order:
+                self.order = list(range(len(self.examples)))
+                self.rng.shuffle(self.order)
+            picked.append(self.order.pop())
+        return picked
+
+    def maybe_load_weights(self) -> dict:
+        """Load the newest published version, if newer than ours (never during generate).
+
+        In synchronous mode wait for a version newer than the one just used, so that every
+        batch comes from the newest weights (the on-policy baseline)."""
+        stats = {"load_s": 0.0, "wait_weights_s": 0.0}
+        t0 = time.perf_counter()
+        if self.cfg.synchronous and self.version >= 0:
+            deadline = time.monotonic() + self.cfg.timeout_s
+            while self.store.version() <= self.version:
+                if self.should_stop():
+                    return stats
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"searcher {self.rank}: no weights newer than version "
+                                       f"{self.version} within {self.cfg.timeout_s}s")
+                time.sleep(0.002)
+        t1 = time.perf_counter()
+        stats["wait_weights_s"] = t1 - t0
+        if self.store.version() > self.version:
+            self.version, probe_logp = self.store.load_into(self.engine.load_weights)
+            stats["load_s"] = time.perf_counter() - t1
+            stats["checksum"] = self.engine.checksum()
+            if self.cfg.parity_check and self.probe is not None:
+                mine = self.engine.sequence_logprob(*self.probe)
+                if abs(mine - probe_logp) > self.cfg.parity_tol * max(1.0, abs(probe_logp)):
+                    raise RuntimeError(
+                        f"searcher {self.rank}: post-sync parity check failed at version "
+                        f"{self.version}: engine log-prob {mine:.6f} vs trainer {probe_logp:.6f}")
+        return stats
+
+    def score(self, batch: list[int], outputs) -> tuple[list[list[float]], float]:
+        t0 = time.perf_counter()
+        rewards = []
+        for idx, samples in zip(batch, outputs):
+            ex = self.examples[idx]
+            row = []
+            for tokens, _ in samples:
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                value = self.reward_fn(text, ex)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                        or not math.isfinite(value):
+                    raise ValueError(f"searcher {self.rank}: reward {value!r} for prompt id "
+                                     f"{ex['id']!r} is not a finite number (completion "
+                                     f"{text[:80]!r})")
+                row.append(float(value))
+            rewards.append(row)
+        return rewards, time.perf_counter() - t0
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: list[int], outputs) -> tuple[list[list[float]], float]:
+        t0 = time.perf_counter()
+        result = []
+        for idx, samples in zip(batch, outputs):  # one forward per prompt group (N sequences)
+            prompts = [self.prompt_ids[idx]] * len(samples)
+            ids, attn, resp = pad_sequences(prompts, [s[0] for s in samples], self.pad_id, self.device)
+            result.append(sequence_logprobs(self.ref, ids, attn, resp).tolist())
+        return result, time.perf_counter() - t0
+
+    def put(self, message) -> float:
+        """Put with a timeout, retrying while the run is alive (backpressure, never a hang)."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while not self.should_stop():
+            try:
+                self.queue.put(message, timeout=0.5)
+                return time.perf_counter() - t0
+            except queue_lib.Full:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"searcher {self.rank}: trajectory queue full for "
+                                       f"{self.cfg.timeout_s}s; is the trainer alive?")
+        return time.perf_counter() - t0
+
+    def run(self) -> None:
+        last = time.perf_counter()
+        while not self.should_stop():
+            stats = self.maybe_load_weights()
+            if self.should_stop():
+                break
+            batch = self.next_prompts()
+            t0 = time.perf_counter()
+            outputs = self.engine.generate([self.prompt_ids[i] for i in batch], self.cfg.num_generations)
+            stats["generate_s"] = time.perf_counter() - t0
+            rewards, stats["reward_s"] = self.score(batch, outputs)
+            ref_logps, stats["reference_s"] = self.reference_logprobs(batch, outputs)
+            trajs = [Trajectory(prompt_id=self.examples[idx]["id"], prompt_tokens=self.prompt_ids[idx],
+                                response_tokens=tokens, reward=r, ref_logprob=ref, version=self.version,
+                                behaviour_logprob=blp)
+                     for idx, samples, rs, refs in zip(batch, outputs, rewards, ref_logps)
+                     for (tokens, blp), r, ref in zip(samples, rs, refs)]
+            now = time.perf_counter()
+            stats.update(version=self.version, wall_s=now - last,
+                         tokens=sum(len(t.response_tokens) for t in trajs))
+            stats["busy_s"] = stats["generate_s"] + stats["reward_s"] + stats["reference_s"]
+            stats["put_s"] = self.put(("batch", self.rank, trajs, stats))
+            last = now
+
+
+def searcher_main(rank: int, cfg: TBAConfig, examples: list[dict], reward_fn: Callable,
+                  store, out_queue, stop_event, probe, num_threads: int) -> None:
+    """Process entry point. Any exception goes to the trainer as ("error", rank, traceback)."""
+    # Ctrl-C reaches the whole process group; the trainer owns shutdown and sets stop_event.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        torch.set_num_threads(num_threads)
+        Searcher(rank, cfg, examples, reward_fn, store, out_queue, stop_event, probe).run()
+    except BaseException:  # noqa: B036 -- report everything (KeyboardInterrupt too), then exit 1
+        text = traceback.format_exc()
+        print(f"searcher {rank} failed:\n{text}", flush=True)
+        try:  # exiting then flushes this message to the trainer, which keeps reading
+            out_queue.put(("error", rank, text), timeout=5.0)
+        except queue_lib.Full:
+            print(f"searcher {rank}: queue full, the trainer will see exit code 1", flush=True)
+        raise SystemExit(1)
+    # Do not block process exit on flushing the queue's feeder thread when nobody reads it
+    # (the classic multiprocessing exit hang); the trainer has stopped reading by now.
+    out_queue.cancel_join_thread()

@@ -1,0 +1,431 @@
+"""The trainer, the weight store, and the launcher that runs searchers beside the trainer.
+
+Steps 2-5 of tba.py's algorithm run here, in the main process:
+
+    drain the queue into the replay buffer (never blocking) -> sample P groups of K -> recompute
+    log pi with gradients -> tb_loss -> clip, AdamW, LR schedule -> every k steps publish weights
+
+Process layout (``run_tba``): a spawn context starts S non-daemon searcher processes
+(searcher.py); trajectories come back through one bounded multiprocessing queue; weights go out
+through a ``WeightStore`` of shared tensors. Every wait has a timeout; a searcher that raises or
+dies is reported with its traceback or exit code, restarted up to ``max_searcher_restarts``
+times with the newest weights, and then the run fails loudly. On any exit all children are
+stopped and joined.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import queue as queue_lib
+import signal
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.multiprocessing as mp
+from tqdm import tqdm
+
+from buffer import ReplayBuffer, Trajectory
+from searcher import load_causal_lm, searcher_main, weights_checksum
+from tba import TBAConfig, beta_at, pad_sequences, sequence_logprobs, tb_log_z, tb_loss, wsd_lr_factor
+
+
+class SearcherFailed(RuntimeError):
+    """A searcher raised or died, and no restarts are left."""
+
+
+# ----------------------------------------------------------------------------- weight store
+
+class WeightStore:
+    """The trainer's parameters mirrored into one flat shared tensor, plus a version counter.
+
+    Storage is a CUDA tensor on the trainer's GPU (shared with searchers by CUDA IPC when they
+    unpickle it) or shared-memory CPU tensor. A publish is a device copy; nothing is pickled per
+    sync. A seqlock makes reads consistent without ever blocking the writer: the writer makes
+    ``seq`` odd, copies, then makes it even; a reader retries when ``seq`` was odd or changed.
+    """
+
+    def __init__(self, named_params: list[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                 device: torch.device):
+        self.layout, offset = [], 0
+        for name, p in named_params:
+            self.layout.append((name, offset, tuple(p.shape)))
+            offset += p.numel()
+        self.flat = torch.empty(offset, dtype=dtype, device=device)
+        if device.type == "cpu":
+            self.flat.share_memory_()
+        self.header = torch.zeros(3, dtype=torch.float64).share_memory_()  # seq, version, probe
+        self.header[1] = -1
+
+    def views(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, self.flat[off:off + math.prod(shape)].view(shape))
+                for name, off, shape in self.layout]
+
+    def version(self) -> int:
+        return int(self.header[1].item())
+
+    @torch.no_grad()
+    def publish(self, named_params: list[tuple[str, torch.Tensor]], version: int,
+                probe_logp: float = 0.0) -> None:
+        seq = self.header[0].item()
+        self.header[0] = seq + 1  # odd: writing
+        for (name, view), (pname, p) in zip(self.views(), named_params):
+            if name != pname:
+                raise RuntimeError(f"WeightStore.publish: parameter {pname} where {name} expected")
+            view.copy_(p.detach())
+        if self.flat.is_cuda:
+            torch.cuda.synchronize(self.flat.device)  # bytes land before readers may look
+        self.header[2] = probe_logp
+        self.header[1] = version
+        self.header[0] = seq + 2  # even: stable
+
+    def load_into(self, load_fn: Callable, timeout_s: float = 60.0) -> tuple[int, float]:
+        """Call ``load_fn(views)`` on a consistent version; returns (version, probe log-prob)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            seq = self.header[0].item()
+            if seq % 2 == 0:
+                version, probe = int(self.header[1].item()), self.header[2].item()
+                load_fn(self.views())
+                if torch.cuda.is_available() and torch.cuda.is_initialized():
+                    torch.cuda.synchronize()  # our copies finished before we re-check seq
+                if self.header[0].item() == seq:
+                    return version, probe
+            time.sleep(0.001)
+        raise TimeoutError(f"WeightStore: no consistent read within {timeout_s}s")
+
+
+def make_weight_store(cfg: TBAConfig, model: torch.nn.Module, device: torch.device) -> WeightStore:
+    kind = cfg.weight_store
+    if kind == "auto":
+        kind = "cuda" if device.type == "cuda" else "shared_memory"
+    if kind == "cuda" and device.type != "cuda":
+        raise ValueError("weight_store=cuda needs the trainer on a CUDA device")
+    store_device = device if kind == "cuda" else torch.device("cpu")
+    return WeightStore(list(model.named_parameters()), cfg.torch_dtype(), store_device)
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+class Trainer:
+    """Model, optimizer, schedule and replay buffer; ``train_step`` is steps 3-4 of TBA."""
+
+    def __init__(self, cfg: TBAConfig, device: torch.device, pad_id: int,
+                 probe: tuple[list[int], list[int]] | None = None):
+        self.cfg, self.device, self.pad_id, self.probe = cfg, device, pad_id, probe
+        # fp32 master weights; bf16/fp16 compute through autocast on CUDA (mixed precision).
+        self.model = load_causal_lm(cfg.model, torch.float32, device, cfg.trust_remote_code)
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.model.train()
+        self.autocast = (torch.autocast("cuda", dtype=cfg.torch_dtype())
+                         if device.type == "cuda" and cfg.dtype != "float32"
+                         else contextlib.nullcontext())
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
+                                           weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: wsd_lr_factor(s, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps))
+        self.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.mop_prob, cfg.inv_temp, cfg.seed)
+        self.step = 0  # optimizer steps done = the version of the current weights
+        self.published: dict[int, float | None] = {}  # version -> checksum (parity tests)
+
+    def named_params(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.model.named_parameters())
+
+    @torch.no_grad()
+    def probe_logprob(self) -> float:
+        if self.probe is None:
+            return 0.0
+        ids, attn, resp = pad_sequences([self.probe[0]], [self.probe[1]], self.pad_id, self.device)
+        with self.autocast:
+            return sequence_logprobs(self.model, ids, attn, resp).item()
+
+    def publish(self, store: WeightStore) -> float:
+        t0 = time.perf_counter()
+        probe = self.probe_logprob() if self.cfg.parity_check else 0.0
+        store.publish(self.named_params(), self.step, probe)
+        if self.cfg.parity_check:
+            self.published[self.step] = weights_checksum(store.views())
+        return time.perf_counter() - t0
+
+    def sample(self) -> tuple[list[list[Trajectory]], list[bool]]:
+        cfg = self.cfg
+        if cfg.synchronous:
+            groups = self.buffer.sample_version(cfg.prompts_per_step, cfg.group_size, self.step)
+            return groups, [True] * len(groups)
+        return self.buffer.sample(cfg.prompts_per_step, cfg.group_size)
+
+    def ready(self) -> bool:
+        """Whether a step can run: the initial fill (async) or data of this version (sync)."""
+        cfg = self.cfg
+        if cfg.synchronous:
+            return self.buffer.count_version(self.step) >= cfg.prompts_per_step
+        return (len(self.buffer) >= max(cfg.initial_samples, 1)
+                and len(self.buffer.groups) >= cfg.prompts_per_step)
+
+    def train_step(self) -> dict:
+        """One TBA step on P groups of K; returns the step's metrics."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        groups, is_mop = self.sample()
+        beta = beta_at(self.step, cfg.beta_start, cfg.beta_end, cfg.beta_anneal_steps)
+        t1 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        losses, log_zs, all_logp = [], [], []
+        for group in groups:
+            # One prompt group per forward/backward: log Z is per prompt, so summing the group
+            # losses / P equals tb_loss on the (P, K) batch while holding only K sequences.
+            ids, attn, resp = pad_sequences([t.prompt_tokens for t in group],
+                                            [t.response_tokens for t in group], self.pad_id, self.device)
+            with self.autocast:
+                logp = sequence_logprobs(self.model, ids, attn, resp).view(1, -1)
+            ref = torch.tensor([[t.ref_logprob for t in group]], dtype=torch.float32, device=self.device)
+            reward = torch.tensor([[t.reward for t in group]], dtype=torch.float32, device=self.device)
+            loss = tb_loss(logp, ref, reward, beta)
+            (loss / len(groups)).backward()
+            losses.append(loss.item())
+            log_zs.append(tb_log_z(logp, ref, reward, beta).item())
+            all_logp.append(logp.detach().mean().item())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        if not torch.isfinite(grad_norm):
+            raise FloatingPointError(f"trainer step {self.step}: gradient norm is {grad_norm.item()}")
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        t2 = time.perf_counter()
+        trajs = [t for g in groups for t in g]
+        lags = [self.step - 1 - t.version for t in trajs]
+        tokens = sum(len(t.response_tokens) for t in trajs)
+        return {
+            "loss/tb": sum(losses) / len(losses), "loss/logz_mean": sum(log_zs) / len(log_zs),
+            "policy/logp_mean": sum(all_logp) / len(all_logp),
+            "reward/mean": sum(t.reward for t in trajs) / len(trajs),
+            "train/beta": beta, "train/lr": lr, "train/grad_norm": grad_norm.item(),
+            "async/lag_mean": sum(lags) / len(lags), "async/lag_max": float(max(lags)),
+            "async/mop_frac": sum(is_mop) / len(is_mop),
+            "time/sample": t1 - t0, "time/forward_backward": t2 - t1,
+            "throughput/samples_per_s": len(trajs) / (t2 - t0),
+            "throughput/tokens_per_s": tokens / (t2 - t0),
+        }
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "step": self.step,
+                "buffer": self.buffer.state_dict(), "torch_rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        self.buffer.load_state_dict(state["buffer"])
+        torch.set_rng_state(state["torch_rng"])
+
+
+# ----------------------------------------------------------------------------- searcher pool
+
+class SearcherPool:
+    """Starts, watches, restarts and stops the searcher processes."""
+
+    def __init__(self, cfg: TBAConfig, examples: list[dict], reward_fn: Callable,
+                 store: WeightStore, probe, log: Callable[[str], None] = print):
+        self.cfg, self.reward_fn, self.store, self.probe, self.log = cfg, reward_fn, store, probe, log
+        self.ctx = mp.get_context("spawn")
+        self.queue = self.ctx.Queue(maxsize=cfg.queue_size)
+        self.stop_event = self.ctx.Event()
+        self.shards = [examples[r::cfg.num_searchers] for r in range(cfg.num_searchers)]
+        if any(not shard for shard in self.shards):
+            raise ValueError(f"{len(examples)} prompts cannot be split over {cfg.num_searchers} searchers")
+        self.procs: list = [None] * cfg.num_searchers
+        self.restarts = 0
+        self.last_error: dict[int, str] = {}
+        threads = cfg.torch_threads or max(1, (os.cpu_count() or 1) // (cfg.num_searchers + 1))
+        self.threads = threads
+
+    def start(self, rank: int | None = None) -> None:
+        for r in ([rank] if rank is not None else range(self.cfg.num_searchers)):
+            proc = self.ctx.Process(
+                target=searcher_main, name=f"tba-searcher-{r}", daemon=False,
+                args=(r, self.cfg, self.shards[r], self.reward_fn, self.store, self.queue,
+                      self.stop_event, self.probe, self.threads))
+            proc.start()
+            self.procs[r] = proc
+
+    def _failed(self, rank: int, why: str) -> None:
+        """A searcher failed: restart it (newest weights load on start) or raise."""
+        proc = self.procs[rank]
+        proc.join(timeout=5.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5.0)
+        if self.restarts >= self.cfg.max_searcher_restarts:
+            raise SearcherFailed(f"searcher {rank} failed ({why}); "
+                                 f"{self.restarts} restarts used of {self.cfg.max_searcher_restarts}:\n"
+                                 f"{self.last_error.get(rank, '(no traceback: the process died)')}")
+        self.restarts += 1
+        self.log(f"searcher {rank} failed ({why}); restart {self.restarts}/"
+                 f"{self.cfg.max_searcher_restarts}:\n{self.last_error.get(rank, '')}")
+        self.start(rank)
+
+    def check_alive(self) -> None:
+        for rank, proc in enumerate(self.procs):
+            if proc is not None and not proc.is_alive():
+                self._failed(rank, f"exit code {proc.exitcode}")
+
+    def poll(self, timeout: float = 0.0) -> list[tuple]:
+        """Every message waiting (after up to ``timeout`` s for the first); errors handled."""
+        messages = []
+        try:
+            messages.append(self.queue.get(timeout=timeout) if timeout > 0 else self.queue.get_nowait())
+            while True:
+                messages.append(self.queue.get_nowait())
+        except queue_lib.Empty:
+            pass
+        batches = []
+        for msg in messages:
+            if msg[0] == "error":
+                self.last_error[msg[1]] = msg[2]
+                self._failed(msg[1], "raised")
+            else:
+                batches.append(msg)
+        self.check_alive()
+        return batches
+
+    def depth(self) -> int:
+        try:
+            return self.queue.qsize()
+        except NotImplementedError:  # macOS
+            return -1
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask every searcher to stop, drain the queue while they exit, then terminate/kill."""
+        self.stop_event.set()
+        deadline = time.monotonic() + timeout
+        while any(p is not None and p.is_alive() for p in self.procs) and time.monotonic() < deadline:
+            with contextlib.suppress(queue_lib.Empty):
+                while True:
+                    self.queue.get_nowait()
+            time.sleep(0.05)
+        for p in self.procs:
+            if p is not None and p.is_alive():
+                p.terminate()
+                p.join(timeout=3.0)
+            if p is not None and p.is_alive():
+                p.kill()
+                p.join(timeout=3.0)
+        self.queue.cancel_join_thread()
+        self.queue.close()
+
+
+# ----------------------------------------------------------------------------- the launcher
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
+            on_step: Callable[[Trainer, dict], None] | None = None,
+            on_stop: Callable[[Trainer, BaseException | None], None] | None = None,
+            resume_state: dict | None = None, show_progress: bool = True) -> Trainer:
+    """Run TBA: searchers in child processes, the trainer here. Returns the trained Trainer.
+
+    ``examples`` are dicts with ``id`` and ``prompt`` (text) plus what ``reward_fn`` reads.
+    ``on_step(trainer, metrics)`` runs after every step (evaluation, checkpoints) and may add
+    keys to ``metrics``; ``on_stop(trainer, error)`` runs on every exit (final checkpoint).
+    """
+    from transformers import AutoTokenizer
+
+    device = torch.device(cfg.trainer_device)
+    torch.manual_seed(cfg.seed)
+    threads = cfg.torch_threads or max(1, (os.cpu_count() or 1) // (cfg.num_searchers + 1))
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    first = examples[0]
+    probe = (tokenizer(first["prompt"])["input_ids"],
+             tokenizer(first.get("answer", " 0"), add_special_tokens=False)["input_ids"][:64]
+             + [tokenizer.eos_token_id])
+    trainer = Trainer(cfg, device, pad_id, probe)
+    if resume_state is not None:
+        trainer.load_state_dict(resume_state)
+    store = make_weight_store(cfg, trainer.model, device)
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trainer.publish(store)  # the current weights, before any searcher starts
+    pool = SearcherPool(cfg, examples, reward_fn, store, probe, log=tqdm.write)
+    searcher_stats: dict[int, dict] = {}
+    searcher_totals: dict[int, list[float]] = {}
+    error: BaseException | None = None
+    old_term = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    bar = tqdm(total=cfg.total_steps, initial=trainer.step, desc="TBA", disable=not show_progress,
+               dynamic_ncols=True)
+    try:
+        pool.start()
+        step_batches: list[dict] = []
+
+        def ingest(batches) -> None:
+            for _, rank, trajs, stats in batches:
+                trainer.buffer.extend(trajs)
+                searcher_stats.setdefault(rank, {}).update(stats)
+                busy, wall = searcher_totals.get(rank, [0.0, 0.0])
+                searcher_totals[rank] = [busy + stats["busy_s"], wall + stats["wall_s"]]
+                step_batches.append(stats)
+
+        with open(out_dir / "metrics.jsonl", "a") as metrics_file:
+            start_time = time.time()
+            while trainer.step < cfg.total_steps:
+                t0 = time.perf_counter()
+                ingest(pool.poll())
+                deadline = time.monotonic() + cfg.timeout_s
+                while not trainer.ready():  # the initial fill (async) or this version's data (sync)
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"trainer waited {cfg.timeout_s}s for data at step {trainer.step}: "
+                            f"buffer holds {len(trainer.buffer)} trajectories")
+                    ingest(pool.poll(timeout=0.2))
+                wait_s = time.perf_counter() - t0
+                metrics = trainer.train_step()
+                publish_s = 0.0
+                if cfg.synchronous or trainer.step % cfg.sync_every == 0:
+                    publish_s = trainer.publish(store)
+                metrics.update(trainer.buffer.stats(trainer.step))
+                metrics.update({"time/wait": wait_s, "time/publish": publish_s,
+                                "async/queue_depth": float(pool.depth()),
+                                "async/searcher_restarts": float(pool.restarts),
+                                "time/step": time.perf_counter() - t0})
+                if step_batches:
+                    for key in ("generate_s", "reward_s", "reference_s", "load_s"):
+                        metrics[f"time/{key[:-2]}"] = sum(s[key] for s in step_batches) / len(step_batches)
+                step_batches.clear()
+                for rank, (busy, wall) in sorted(searcher_totals.items()):
+                    metrics[f"searcher{rank}/busy_frac"] = busy / wall if wall > 0 else 0.0
+                    metrics[f"searcher{rank}/version"] = float(searcher_stats[rank]["version"])
+                    if searcher_stats[rank].get("checksum") is not None:
+                        metrics[f"searcher{rank}/checksum"] = searcher_stats[rank]["checksum"]
+                if on_step is not None:
+                    on_step(trainer, metrics)
+                record = {"step": trainer.step, "wall_time": time.time() - start_time, **metrics}
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+                bar.update(1)
+                bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in
+                                 ("reward/mean", "eval/accuracy", "async/lag_mean", "train/beta")
+                                 if k in metrics})
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        bar.close()
+        signal.signal(signal.SIGTERM, old_term)
+        pool.stop()
+        if on_stop is not None:
+            on_stop(trainer, error)
+    trainer.searcher_stats = searcher_stats
+    trainer.pool_restarts = pool.restarts
+    return trainer
