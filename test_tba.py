@@ -362,3 +362,194 @@ def test_reward_model_reward_with_tiny_classifier(tmp_path):
     assert isinstance(a, float) and math.isfinite(a) and a != b
     assert reward(" 12 + 3 = 15", {"prompt": "Q: 12 + 3?"}) == a
     assert pickle.loads(pickle.dumps(reward))._model is None  # weights never pickled
+
+
+# =============================================================================== the system (multi-process, CPU)
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import time
+
+from trainer import SearcherFailed, WeightStore, run_tba
+
+
+def digit_reward(completion: str, example: dict) -> float:
+    """A dense toy reward (fraction of digits), so an untrained model gets a gradient."""
+    return sum(ch.isdigit() for ch in completion) / (len(completion) + 1)
+
+
+def failing_reward(completion: str, example: dict) -> float:
+    raise RuntimeError("boom: this reward always fails")
+
+
+def child_pids() -> list[int]:
+    """Children of this process, zombies included, read from /proc; Python's own
+    multiprocessing resource tracker (one per interpreter, not ours to stop) is left out."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+                cmdline = open(f"/proc/{entry}/cmdline").read()
+                if int(fields[1]) == os.getpid() and "resource_tracker" not in cmdline:
+                    pids.append(int(entry))
+    return pids
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    """Fail (not hang) a test that runs past ``seconds``; run_tba's finally still cleans up."""
+    def fire(signum, frame):
+        raise TimeoutError(f"test exceeded {seconds}s")
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from run_gsm8k import build_char_tokenizer, build_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny_model")
+    tok = build_char_tokenizer()
+    build_tiny_model(tok, hidden=32, layers=2, heads=2).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def tiny_examples(n: int = 24) -> list[dict]:
+    from run_gsm8k import PROMPT_TEMPLATE, synthetic_problems
+
+    return [{"id": i, "prompt": PROMPT_TEMPLATE.format(question=r["question"]), **r}
+            for i, r in enumerate(synthetic_problems(n, seed=0))]
+
+
+def tiny_cfg(model_dir: str, out: Path, **overrides) -> TBAConfig:
+    values = dict(model=model_dir, dtype="float32", num_searchers=2, searcher_devices="cpu",
+                  trainer_device="cpu", num_generations=4, group_size=4, prompts_per_step=2,
+                  searcher_batch_prompts=2, max_new_tokens=10, lr=3e-3, warmup_steps=1,
+                  total_steps=24, initial_samples=8, sync_every=2, beta_start=1.0, beta_end=1.0,
+                  output_dir=str(out), parity_check=True, parity_tol=1e-4, timeout_s=60,
+                  max_searcher_restarts=0, torch_threads=1)
+    values.update(overrides)
+    return TBAConfig(**values)
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def test_system_async_two_searchers(tiny_model_dir, tmp_path):
+    cfg = tiny_cfg(tiny_model_dir, tmp_path)
+    with time_limit(120):
+        trainer = run_tba(cfg, tiny_examples(), digit_reward, show_progress=False)
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 25))
+    assert trainer.step == 24 and sorted(trainer.published) == list(range(0, 25, 2))
+    # Trajectories arrived from both searchers, and both moved on to newer weights.
+    last = rows[-1]
+    assert last["searcher0/version"] > 0 and last["searcher1/version"] > 0
+    # After every load, the searcher's weights equal what the trainer published (checksum),
+    # and training really changed the weights.
+    seen = 0
+    for r in rows:
+        for rank in (0, 1):
+            if f"searcher{rank}/checksum" in r:
+                version = int(r[f"searcher{rank}/version"])
+                assert r[f"searcher{rank}/checksum"] == pytest.approx(trainer.published[version], rel=1e-12)
+                seen += 1
+    assert seen > 0 and len(set(trainer.published.values())) > 3
+    # Staleness. Searchers only ever hold published versions (multiples of k = 2), and every
+    # step trains on the freshest data any searcher has delivered: the lag of its newest group
+    # is the trainer's version minus the newest searcher version. (No barrier bounds the lag
+    # itself: on this CPU the trainer steps ~10x faster than a searcher batch; bench.py and
+    # the metrics report it.)
+    for r in rows:
+        versions = [r[f"searcher{k}/version"] for k in (0, 1) if f"searcher{k}/version" in r]
+        assert all(v % 2 == 0 for v in versions)
+        if r["async/mop_frac"] > 0:
+            assert r["async/lag_min"] == r["step"] - 1 - max(versions)
+    for key in ("loss/tb", "reward/mean", "train/beta", "train/lr", "async/mop_frac",
+                "buffer/prompts", "buffer/trajectories", "async/queue_depth", "time/sample",
+                "time/forward_backward", "time/publish", "time/wait", "throughput/samples_per_s",
+                "throughput/tokens_per_s", "time/generate", "searcher0/busy_frac"):
+        assert key in last, key
+    assert child_pids() == [] and multiprocessing.active_children() == []
+
+
+def test_system_synchronous_mode_has_zero_lag(tiny_model_dir, tmp_path):
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, synchronous=True, total_steps=8)
+    with time_limit(120):
+        run_tba(cfg, tiny_examples(), digit_reward, show_progress=False)
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 8
+    assert all(r["async/lag_max"] == 0 and r["async/lag_mean"] == 0 for r in rows)
+    assert child_pids() == []
+
+
+def test_system_searcher_error_fails_trainer_fast_with_traceback(tiny_model_dir, tmp_path):
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, timeout_s=300)
+    start = time.monotonic()
+    with time_limit(60), pytest.raises(SearcherFailed) as info:
+        run_tba(cfg, tiny_examples(), failing_reward, show_progress=False)
+    assert "boom: this reward always fails" in str(info.value)
+    assert "searcher" in str(info.value)
+    assert time.monotonic() - start < 30  # seconds (model loading included), never the 300 s timeout
+    assert child_pids() == [] and multiprocessing.active_children() == []
+
+
+def test_weight_store_seqlock_round_trip_cpu():
+    src = torch.nn.Linear(4, 3)
+    store = WeightStore(list(src.named_parameters()), torch.float32, torch.device("cpu"))
+    assert store.version() == -1
+    store.publish(list(src.named_parameters()), version=5, probe_logp=-1.5)
+    dst = torch.nn.Linear(4, 3)
+    params = dict(dst.named_parameters())
+
+    def load(named):
+        with torch.no_grad():
+            for name, t in named:
+                params[name].copy_(t)
+
+    assert store.load_into(load) == (5, -1.5)
+    assert torch.equal(dst.weight, src.weight) and torch.equal(dst.bias, src.bias)
+    store.header[0] += 1  # a writer in the middle of a publish: readers must not return
+    with pytest.raises(TimeoutError):
+        store.load_into(load, timeout_s=0.2)
+
+
+def _cuda_reader(store, out_queue):
+    target = {}
+    version, _ = store.load_into(lambda named: target.update({n: t.clone() for n, t in named}))
+    out_queue.put((version, {n: t.cpu() for n, t in target.items()}))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: CUDA-IPC weight store "
+                    "and the transformers engine on CUDA (run on a GPU box to exercise them)")
+def test_cuda_ipc_weight_store_and_hf_engine(tiny_model_dir):
+    from searcher import HFEngine
+
+    model = torch.nn.Linear(64, 32).cuda()
+    store = WeightStore(list(model.named_parameters()), torch.bfloat16, torch.device("cuda:0"))
+    store.publish(list(model.named_parameters()), version=3)
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_cuda_reader, args=(store, q))
+    proc.start()
+    version, got = q.get(timeout=120)
+    proc.join(timeout=30)
+    assert version == 3 and proc.exitcode == 0
+    assert torch.equal(got["weight"], model.weight.detach().to(torch.bfloat16).cpu())
+
+    cfg = TBAConfig(model=tiny_model_dir, dtype="float32", num_searchers=1, searcher_devices="cuda:0",
+                    max_new_tokens=8, num_generations=2, group_size=2)
+    engine = HFEngine(cfg, torch.device("cuda:0"), eos_id=1, pad_id=0)
+    outs = engine.generate([[5, 6, 7], [8, 9]], n=2)
+    assert len(outs) == 2 and all(len(o) == 2 for o in outs)
+    assert all(len(tokens) <= 8 for o in outs for tokens, _ in o)

@@ -207,6 +207,7 @@ class Trainer:
             "reward/mean": sum(t.reward for t in trajs) / len(trajs),
             "train/beta": beta, "train/lr": lr, "train/grad_norm": grad_norm.item(),
             "async/lag_mean": sum(lags) / len(lags), "async/lag_max": float(max(lags)),
+            "async/lag_min": float(min(lags)),
             "async/mop_frac": sum(is_mop) / len(is_mop),
             "time/sample": t1 - t0, "time/forward_backward": t2 - t1,
             "throughput/samples_per_s": len(trajs) / (t2 - t0),
