@@ -64,6 +64,8 @@ class ReplayBuffer:
             raise ValueError(f"ReplayBuffer.add: non-finite reward {traj.reward} for prompt "
                              f"{traj.prompt_id!r}")
         group = self.groups.setdefault(traj.prompt_id, [])
+        if group:  # one prompt-token list per prompt, not one per trajectory (bounded memory)
+            traj.prompt_tokens = group[0].prompt_tokens
         key = tuple(traj.response_tokens)
         group[:] = [t for t in group if tuple(t.response_tokens) != key]
         group.append(traj)

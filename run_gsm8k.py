@@ -1,14 +1,57 @@
-"""The main job: TBA on GSM8K (paper preset, 4xA100) or the offline tiny preset (CPU).
+"""The main job: TBA on GSM8K -- the paper preset on 4xA100, or an offline tiny preset on a CPU.
 
-    python run_gsm8k.py                     # auto: paper preset with GPUs, else tiny
-    python run_gsm8k.py --preset tiny       # offline, CPU, synthetic GSM8K-format problems
-    python run_gsm8k.py --help              # every TBAConfig field is a flag
+    python run_gsm8k.py                      # auto: paper preset with CUDA GPUs, else tiny
+    python run_gsm8k.py --preset tiny        # offline, CPU, synthetic GSM8K-format problems
+    python run_gsm8k.py --preset paper --data_dir ../shared/data/gsm8k
+    python run_gsm8k.py --help               # every TBAConfig field is a flag
+
+Presets are dicts of TBAConfig values; any explicit flag overrides them. Outputs in output_dir:
+metrics.jsonl, results.json, checkpoint.pt (resumable), final/ (HF model + tokenizer), and
+curves.png when matplotlib is installed.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
 import string
+import sys
+import time
+from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
+from rewards import gsm8k_gold, gsm8k_reward
+from searcher import HFEngine, VLLMEngine, load_causal_lm, use_vllm
+from tba import TBAConfig, config_argparser, config_from_args, pad_sequences, sequence_logprobs
+from trainer import run_tba
+
+
+PROMPT_TEMPLATE = "[MATH TASK] Problem:\n{question}\n\nSolution:\n"  # official TBA/VinePPO format
+
+# The paper's GSM8K setup is TBAConfig's defaults; it only needs GPU placement (see main).
+PAPER_PRESET: dict = {}
+
+# Offline CPU run: a tiny Llama warm-started on synthetic sums, then TBA with 1 searcher.
+# Numbers from a tuning sweep on a 2-core CPU (README, "Tiny preset").
+TINY_PRESET: dict = dict(
+    model="", dtype="float32", num_searchers=1, searcher_devices="cpu", trainer_device="cpu",
+    engine="hf", weight_store="shared_memory", num_generations=8, group_size=8,
+    prompts_per_step=16, searcher_batch_prompts=16, temperature=0.7, max_new_tokens=20,
+    lr=1e-4, warmup_steps=5, stable_steps=10_000, decay_steps=0, total_steps=150,
+    beta_start=0.05, beta_end=0.05, beta_anneal_steps=0, mop_prob=0.95, sync_every=2,
+    buffer_capacity=32, initial_samples=128, queue_size=4, seed=0, output_dir="runs/tiny",
+    eval_every=50, eval_subset=200, eval_samples=8, eval_batch_size=100, checkpoint_every=0,
+    timeout_s=300.0,
+)
+TINY_DATA = dict(train=4000, test=200, digits=2)  # synthetic problems (train / held-out test)
+TINY_MODEL = dict(hidden=64, layers=2, heads=4)  # tiny Llama over the char vocabulary
+TINY_WARM_START = dict(steps=300, lr=3e-3, batch=64)  # supervised steps before RL
+
+
+# ----------------------------------------------------------------------------- data
 
 def build_char_tokenizer():
     """A character-level tokenizer built in code (no hub): specials <pad> <eos> <bos> <unk>,
@@ -24,9 +67,6 @@ def build_char_tokenizer():
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
                                    bos_token="<bos>", unk_token="<unk>")
-
-
-PROMPT_TEMPLATE = "[MATH TASK] Problem:\n{question}\n\nSolution:\n"  # official TBA/VinePPO format
 
 
 def synthetic_problems(count: int, seed: int, digits: int = 2) -> list[dict]:
@@ -54,3 +94,273 @@ def build_tiny_model(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
     return LlamaForCausalLM(config)
+
+
+def read_gsm8k_jsonl(path: Path) -> list[dict]:
+    """OpenAI's GSM8K JSONL; any bad row is a ValueError naming the file and line."""
+    if not path.is_file():
+        raise FileNotFoundError(f"GSM8K file not found: {path}")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: malformed JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            for key in ("question", "answer"):
+                if not isinstance(row.get(key), str) or not row[key].strip():
+                    raise ValueError(f"{path}:{lineno}: missing or empty field {key!r}")
+            try:
+                gsm8k_gold(row)
+            except ValueError as exc:
+                raise ValueError(f"{path}:{lineno}: {exc}") from None
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no examples")
+    return rows
+
+
+def load_gsm8k(data_dir: str) -> tuple[list[dict], list[dict]]:
+    """(train, test) rows from ``data_dir`` or, when empty, from the hub via ``datasets``."""
+    if data_dir:
+        return (read_gsm8k_jsonl(Path(data_dir) / "train.jsonl"),
+                read_gsm8k_jsonl(Path(data_dir) / "test.jsonl"))
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise SystemExit("GSM8K: pass --data_dir DIR (OpenAI's train.jsonl/test.jsonl), or "
+                         "`pip install datasets` to download openai/gsm8k from the hub") from None
+    data = load_dataset("openai/gsm8k", "main")
+    return [dict(r) for r in data["train"]], [dict(r) for r in data["test"]]
+
+
+def to_examples(rows: list[dict]) -> list[dict]:
+    """Rows -> examples: ``id`` and the formatted ``prompt`` added (what searchers need)."""
+    return [{"id": i, "prompt": PROMPT_TEMPLATE.format(question=r["question"]), **r}
+            for i, r in enumerate(rows)]
+
+
+def check_prompt_lengths(examples: list[dict], tokenizer, max_positions: int | None,
+                         max_new_tokens: int, name: str) -> None:
+    """Fail before any process starts if a prompt cannot fit the model's context."""
+    if not max_positions:
+        return
+    for ex in examples:
+        n = len(tokenizer(ex["prompt"])["input_ids"])
+        if n + max_new_tokens > max_positions:
+            raise ValueError(f"{name} example {ex['id']}: prompt of {n} tokens + max_new_tokens "
+                             f"{max_new_tokens} exceeds the model context of {max_positions}")
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+def distinct_n(texts: list[str], n: int) -> float:
+    """Unique word n-grams / all word n-grams over a prompt's sampled answers (diversity)."""
+    grams = [tuple(w[i:i + n]) for w in (t.split() for t in texts) for i in range(len(w) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+class Evaluator:
+    """Greedy pass@1, and pass@k with distinct-n of sampled answers, on GSM8K-format examples.
+
+    On CUDA with vLLM installed it keeps a small vLLM engine beside the trainer and loads the
+    trainer's weights into it before each evaluation; otherwise it wraps the trainer's model in
+    the transformers engine (no copy)."""
+
+    def __init__(self, cfg: TBAConfig, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.device = torch.device(cfg.trainer_device)
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.vllm = (VLLMEngine(cfg, self.device, self.eos_id, cfg.seed,
+                                memory_utilization=cfg.vllm_eval_memory_utilization)
+                     if use_vllm(cfg, self.device) else None)
+
+    def _engine(self, model: torch.nn.Module):
+        if self.vllm is not None:
+            self.vllm.load_weights(list(model.named_parameters()))
+            return self.vllm
+        return HFEngine(self.cfg, self.device, self.eos_id, self.pad_id, model=model)
+
+    @torch.no_grad()
+    def _answers(self, model: torch.nn.Module, examples: list[dict], n: int, greedy: bool,
+                 desc: str) -> list[list[str]]:
+        was_training = model.training
+        model.eval()
+        engine = self._engine(model)
+        size = len(examples) if self.vllm is not None else self.cfg.eval_batch_size
+        texts = []
+        try:
+            for i in tqdm(range(0, len(examples), size), desc=desc, leave=False, dynamic_ncols=True):
+                batch = examples[i:i + size]
+                outs = engine.generate([self.tokenizer(ex["prompt"])["input_ids"] for ex in batch],
+                                       n, greedy=greedy)
+                texts += [[self.tokenizer.decode(t, skip_special_tokens=True) for t, _ in o]
+                          for o in outs]
+        finally:
+            model.train(was_training)
+        return texts
+
+    def accuracy(self, model: torch.nn.Module, examples: list[dict], desc: str = "eval") -> float:
+        answers = self._answers(model, examples, 1, True, desc)
+        return sum(gsm8k_reward(a[0], ex) for a, ex in zip(answers, examples)) / len(examples)
+
+    def diversity(self, model: torch.nn.Module, examples: list[dict], desc: str = "sample") -> dict:
+        """pass@k, mean sample accuracy, distinct-1/2 and distinct answers per problem."""
+        k = self.cfg.eval_samples
+        if k < 1:
+            return {}
+        answers = self._answers(model, examples, k, False, desc)
+        correct = [[gsm8k_reward(a, ex) for a in ans] for ans, ex in zip(answers, examples)]
+        return {f"pass@{k}": sum(max(c) for c in correct) / len(correct),
+                "sample_accuracy": sum(map(sum, correct)) / (k * len(correct)),
+                "distinct_1": sum(distinct_n(a, 1) for a in answers) / len(answers),
+                "distinct_2": sum(distinct_n(a, 2) for a in answers) / len(answers),
+                "distinct_answers": sum(len(set(a)) for a in answers) / len(answers)}
+
+
+# ----------------------------------------------------------------------------- tiny warm start
+
+def tiny_warm_start(out_dir: Path, train: list[dict], seed: int) -> str:
+    """Build the tiny model and tokenizer, train them supervised on worked answers, and save
+    them to ``out_dir/warm_start`` -- cached: a rerun loads instead of training again."""
+    path = out_dir / "warm_start"
+    if (path / "config.json").exists():
+        print(f"warm start: cached at {path}")
+        return str(path)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, seed=seed, **TINY_MODEL)
+    opt = torch.optim.AdamW(model.parameters(), lr=TINY_WARM_START["lr"])
+    gen = torch.Generator().manual_seed(seed)
+    rows = [(tokenizer(ex["prompt"])["input_ids"],
+             tokenizer(ex["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+            for ex in train]
+    model.train()
+    for _ in tqdm(range(TINY_WARM_START["steps"]), desc="warm start (supervised)", dynamic_ncols=True):
+        idx = torch.randint(len(rows), (TINY_WARM_START["batch"],), generator=gen).tolist()
+        ids, attn, resp = pad_sequences([rows[i][0] for i in idx], [rows[i][1] for i in idx],
+                                        tokenizer.pad_token_id)
+        loss = -sequence_logprobs(model, ids, attn, resp).sum() / resp.sum()  # token-mean NLL
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- main
+
+def choose_preset(name: str) -> tuple[str, dict]:
+    """``auto``: paper with CUDA GPUs (GPU 0 trains, the rest search), else tiny."""
+    gpus = torch.cuda.device_count()
+    if name == "auto":
+        name = "paper" if gpus > 0 else "tiny"
+        why = f"{gpus} CUDA GPU(s) found" if gpus else "no CUDA GPU found"
+        other = "tiny" if name == "paper" else "paper"
+        print(f"preset: {name} ({why}); choose the other with --preset {other}")
+    if name == "tiny":
+        return name, dict(TINY_PRESET)
+    values = dict(PAPER_PRESET)
+    if gpus >= 2:
+        values.update(num_searchers=gpus - 1, trainer_device="cuda:0",
+                      searcher_devices=",".join(f"cuda:{i}" for i in range(1, gpus)))
+    elif gpus == 1:  # one GPU: a searcher shares it with the trainer (vLLM takes a slice)
+        values.update(num_searchers=1, trainer_device="cuda:0", searcher_devices="cuda:0",
+                      vllm_gpu_memory_utilization=0.35)
+    return name, values
+
+
+def save_plot(out_dir: Path) -> str | None:
+    """Reward and accuracy against wall-clock, when matplotlib is installed (optional)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["wall_time"] for r in rows], [r["reward/mean"] for r in rows], label="train reward")
+    evals = [r for r in rows if "eval/accuracy" in r]
+    ax.plot([r["wall_time"] for r in evals], [r["eval/accuracy"] for r in evals], "o-",
+            label="eval accuracy (subset)")
+    ax.set_xlabel("wall-clock seconds of RL")
+    ax.legend()
+    fig.savefig(out_dir / "curves.png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return str(out_dir / "curves.png")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = config_argparser("TBA on GSM8K. Every TBAConfig field is a flag; --preset sets the base.")
+    parser.add_argument("--preset", choices=["auto", "paper", "tiny"], default="auto",
+                        help="base values that explicit flags override (auto: paper with CUDA, else tiny)")
+    args = parser.parse_args(argv)
+    preset, base = choose_preset(args.preset)
+    wall_start = time.time()
+    if preset == "tiny":
+        out_dir = Path(args.output_dir or base["output_dir"])
+        train = to_examples(synthetic_problems(TINY_DATA["train"], seed=1, digits=TINY_DATA["digits"]))
+        test = to_examples(synthetic_problems(TINY_DATA["test"], seed=2, digits=TINY_DATA["digits"]))
+        base["model"] = args.model or tiny_warm_start(out_dir, train, seed=args.seed or 0)
+    cfg = config_from_args(args, base)
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if preset != "tiny":
+        train, test = (to_examples(rows) for rows in load_gsm8k(cfg.data_dir))
+
+    from transformers import AutoConfig, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    model_config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    for name, rows in (("train", train), ("test", test)):
+        check_prompt_lengths(rows, tokenizer, getattr(model_config, "max_position_embeddings", None),
+                             cfg.max_new_tokens, name)
+    subset = test[:cfg.eval_subset]
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.torch_threads or max(1, torch.get_num_threads()))
+
+    evaluator = Evaluator(cfg, tokenizer)
+    results_path = out_dir / "results.json"
+    previous = json.loads(results_path.read_text()) if cfg.resume and results_path.exists() else {}
+    if "accuracy_before" in previous:  # a resumed run keeps its first "before"
+        before = {k: previous[k] for k in ("accuracy_before", "diversity_before")}
+    else:
+        initial = load_causal_lm(cfg.model, cfg.torch_dtype(), torch.device(cfg.trainer_device),
+                                 cfg.trust_remote_code)
+        before = {"accuracy_before": evaluator.accuracy(initial, test, "eval before (greedy)"),
+                  "diversity_before": evaluator.diversity(initial, subset)}
+        del initial
+        results_path.write_text(json.dumps(before, indent=2))
+    print(f"greedy accuracy before RL: {before['accuracy_before']:.4f} on {len(test)} problems")
+
+    def on_step(trainer, metrics):
+        if cfg.eval_every and trainer.step % cfg.eval_every == 0:
+            metrics["eval/accuracy"] = evaluator.accuracy(trainer.model, subset, "eval (subset)")
+
+    rl_start = time.time()
+    trainer = run_tba(cfg, train, gsm8k_reward, on_step=on_step)
+    rl_seconds = time.time() - rl_start
+
+    final = out_dir / "final"
+    trainer.model.save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    after = {"accuracy_after": evaluator.accuracy(trainer.model, test, "eval after (greedy)"),
+             "diversity_after": evaluator.diversity(trainer.model, subset)}
+    results = {**before, **after, "rl_seconds": rl_seconds, "wall_seconds": time.time() - wall_start,
+               "steps": trainer.step, "resumed": cfg.resume, "preset": preset,
+               "test_size": len(test), "checkpoint": str(final), "plot": save_plot(out_dir),
+               "config": dataclasses.asdict(cfg)}
+    results_path.write_text(json.dumps(results, indent=2))
+    print(f"greedy accuracy: {results['accuracy_before']:.4f} -> {results['accuracy_after']:.4f} "
+          f"after {trainer.step} steps ({rl_seconds:.0f} s of RL this run); see {results_path}")
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

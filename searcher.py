@@ -36,8 +36,10 @@ from tba import TBAConfig, pad_sequences, sequence_logprobs
 class Engine(Protocol):
     """What a searcher needs from a generation engine."""
 
-    def generate(self, prompts: list[list[int]], n: int) -> list[list[tuple[list[int], float | None]]]:
-        """For each prompt, n (response token ids with EOS if generated, behaviour log-prob or None)."""
+    def generate(self, prompts: list[list[int]], n: int,
+                 greedy: bool = False) -> list[list[tuple[list[int], float | None]]]:
+        """For each prompt, n (response token ids with EOS if generated, behaviour log-prob or
+        None); sampled at the config's temperature, or greedy (evaluation)."""
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy named parameters (HF checkpoint names) into the engine's policy."""
@@ -84,14 +86,18 @@ def cut_at_eos(tokens: list[int], eos_id: int, pad_id: int | None) -> list[int]:
 class HFEngine:
     """transformers ``generate`` on CPU or CUDA; the policy is a plain nn.Module."""
 
-    def __init__(self, cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int):
+    def __init__(self, cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int,
+                 model: torch.nn.Module | None = None):
+        """Loads ``cfg.model``, or wraps ``model`` (e.g. the trainer's, for evaluation)."""
         self.cfg, self.device, self.eos_id, self.pad_id = cfg, device, eos_id, pad_id
-        self.model = load_causal_lm(cfg.model, cfg.torch_dtype(), device, cfg.trust_remote_code)
-        self.model.eval().requires_grad_(False)
+        if model is None:
+            model = load_causal_lm(cfg.model, cfg.torch_dtype(), device, cfg.trust_remote_code)
+            model.eval().requires_grad_(False)
+        self.model = model
         self.params = dict(self.model.named_parameters())
 
     @torch.no_grad()
-    def generate(self, prompts, n):
+    def generate(self, prompts, n, greedy=False):
         # Left-pad the batch (generation appends on the right); each prompt repeated n times.
         rows = [p for p in prompts for _ in range(n)]
         width = max(len(p) for p in rows)
@@ -100,9 +106,10 @@ class HFEngine:
         for i, p in enumerate(rows):
             ids[i, width - len(p):] = torch.tensor(p)
             attn[i, width - len(p):] = 1
+        sampling = ({"do_sample": False} if greedy else
+                    {"do_sample": True, "temperature": self.cfg.temperature, "top_k": 0, "top_p": 1.0})
         out = self.model.generate(
-            input_ids=ids.to(self.device), attention_mask=attn.to(self.device), do_sample=True,
-            temperature=self.cfg.temperature, top_k=0, top_p=1.0,
+            input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **sampling,
             max_new_tokens=self.cfg.max_new_tokens, eos_token_id=self.eos_id,
             pad_token_id=self.pad_id)
         responses = [cut_at_eos(row, self.eos_id, self.pad_id) for row in out[:, width:].tolist()]
@@ -143,7 +150,8 @@ def _vllm_reload_weights(llm, named: list[tuple[str, torch.Tensor]]) -> None:
 class VLLMEngine:
     """vLLM 0.33.0 in-process engine pinned to one GPU, for the paper setup on 4xA100."""
 
-    def __init__(self, cfg: TBAConfig, device: torch.device, eos_id: int, seed: int):
+    def __init__(self, cfg: TBAConfig, device: torch.device, eos_id: int, seed: int,
+                 memory_utilization: float | None = None):
         # In-process engine core, so this process can reach the model to load weights.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM, SamplingParams
@@ -152,14 +160,14 @@ class VLLMEngine:
         # device_ids pins the engine to the searcher's GPU without CUDA_VISIBLE_DEVICES, so the
         # trainer's GPU stays visible and the CUDA-IPC weight store can be opened here.
         self.llm = LLM(model=cfg.model, dtype=cfg.dtype, seed=seed, device_ids=[device.index],
-                       gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                       gpu_memory_utilization=memory_utilization or cfg.vllm_gpu_memory_utilization,
                        enable_prefix_caching=True, trust_remote_code=cfg.trust_remote_code,
                        logprobs_mode="processed_logprobs")
 
-    def generate(self, prompts, n):
+    def generate(self, prompts, n, greedy=False):
         from vllm import TokensPrompt
 
-        params = self._sampling(n=n, temperature=self.cfg.temperature, top_p=1.0,
+        params = self._sampling(n=n, temperature=0.0 if greedy else self.cfg.temperature, top_p=1.0,
                                 max_tokens=self.cfg.max_new_tokens, stop_token_ids=[self.eos_id],
                                 logprobs=0, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
@@ -193,11 +201,14 @@ def vllm_available() -> bool:
     return True
 
 
+def use_vllm(cfg: TBAConfig, device: torch.device) -> bool:
+    """``auto``: vLLM when importable and the device is a GPU, else transformers."""
+    return cfg.engine == "vllm" or (cfg.engine == "auto" and device.type == "cuda"
+                                    and vllm_available())
+
+
 def make_engine(cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int, seed: int) -> Engine:
-    """``auto``: vLLM when importable and the searcher is on a GPU, else transformers."""
-    use_vllm = cfg.engine == "vllm" or (cfg.engine == "auto" and device.type == "cuda"
-                                        and vllm_available())
-    if use_vllm:
+    if use_vllm(cfg, device):
         if device.type != "cuda":
             raise ValueError(f"engine=vllm needs a CUDA searcher device, got {device}")
         return VLLMEngine(cfg, device, eos_id, seed)

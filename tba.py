@@ -148,8 +148,18 @@ class TBAConfig:
     # --- run ---
     seed: int = _knob(0, "seed of trainer, buffer and searchers (searcher s uses seed + 1 + s)")
     output_dir: str = _knob("runs/gsm8k", "metrics.jsonl, results.json, checkpoints")
-    eval_every: int = _knob(50, "evaluate on the fixed subset every this many steps (0: never)")
-    eval_subset: int = _knob(200, "size of the fixed evaluation subset")
+    data_dir: str = _knob("", "directory with OpenAI's GSM8K train.jsonl/test.jsonl; empty: the hub "
+                              "(needs the optional `datasets` package and a network)")
+    resume: bool = _knob(False, "continue from output_dir/checkpoint (step, optimizer, scheduler, "
+                                "beta, RNG, replay buffer)")
+    checkpoint_every: int = _knob(50, "write a resumable checkpoint every this many steps "
+                                      "(0: every sync interval k)")
+    eval_every: int = _knob(50, "greedy accuracy on the fixed subset every this many steps (0: never)")
+    eval_subset: int = _knob(200, "size of the fixed evaluation subset (also pass@k and diversity)")
+    eval_samples: int = _knob(8, "k of pass@k: sampled answers per subset problem, before and after")
+    eval_batch_size: int = _knob(64, "prompts per generate call during evaluation")
+    vllm_eval_memory_utilization: float = _knob(0.2, "GPU fraction of the vLLM evaluation engine "
+                                                     "beside the trainer")
     timeout_s: float = _knob(600.0, "longest wait for any process or queue before failing loudly")
 
     def __post_init__(self) -> None:
@@ -163,11 +173,12 @@ class TBAConfig:
 
         for name in ("num_searchers", "num_generations", "group_size", "prompts_per_step",
                      "searcher_batch_prompts", "max_new_tokens", "total_steps", "sync_every",
-                     "buffer_capacity", "queue_size"):
+                     "buffer_capacity", "queue_size", "eval_batch_size"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "stable_steps", "decay_steps", "beta_anneal_steps",
                      "initial_samples", "eval_every", "eval_subset", "weight_decay",
-                     "max_searcher_restarts", "torch_threads"):
+                     "max_searcher_restarts", "torch_threads", "checkpoint_every",
+                     "eval_samples"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(self.group_size >= 2, "group_size (K) must be >= 2: log Z is a mean over K, "
                                    "so with K = 1 the loss is identically 0")

@@ -16,6 +16,7 @@ stopped and joined.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -228,6 +229,32 @@ class Trainer:
         torch.set_rng_state(state["torch_rng"])
 
 
+# ----------------------------------------------------------------------------- checkpoints
+
+def save_checkpoint(trainer: Trainer, cfg: TBAConfig, path: Path) -> None:
+    """Atomic: write a temporary file, fsync, then rename over the old checkpoint, so a kill
+    during a save never leaves a broken latest checkpoint."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save({"trainer": trainer.state_dict(), "config": dataclasses.asdict(cfg)}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, device: torch.device) -> dict:
+    """Tensors and plain containers only: ``weights_only=True`` never unpickles arbitrary code."""
+    return torch.load(path, map_location=device, weights_only=True)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric rows past ``step`` (written after the checkpoint a resume starts from)."""
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= step]
+        path.write_text("".join(row + "\n" for row in rows))
+
+
 # ----------------------------------------------------------------------------- searcher pool
 
 class SearcherPool:
@@ -331,13 +358,14 @@ def _raise_keyboard_interrupt(signum, frame):
 
 def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
             on_step: Callable[[Trainer, dict], None] | None = None,
-            on_stop: Callable[[Trainer, BaseException | None], None] | None = None,
-            resume_state: dict | None = None, show_progress: bool = True) -> Trainer:
+            show_progress: bool = True) -> Trainer:
     """Run TBA: searchers in child processes, the trainer here. Returns the trained Trainer.
 
     ``examples`` are dicts with ``id`` and ``prompt`` (text) plus what ``reward_fn`` reads.
-    ``on_step(trainer, metrics)`` runs after every step (evaluation, checkpoints) and may add
-    keys to ``metrics``; ``on_stop(trainer, error)`` runs on every exit (final checkpoint).
+    ``on_step(trainer, metrics)`` runs after every step (e.g. evaluation) and may add keys to
+    ``metrics``. Writes ``output_dir/metrics.jsonl`` and ``output_dir/checkpoint.pt`` (every
+    ``checkpoint_every`` steps and on every exit: the end, an error, Ctrl-C or SIGTERM);
+    ``cfg.resume`` continues from that checkpoint.
     """
     from transformers import AutoTokenizer
 
@@ -352,16 +380,23 @@ def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
              tokenizer(first.get("answer", " 0"), add_special_tokens=False)["input_ids"][:64]
              + [tokenizer.eos_token_id])
     trainer = Trainer(cfg, device, pad_id, probe)
-    if resume_state is not None:
-        trainer.load_state_dict(resume_state)
-    store = make_weight_store(cfg, trainer.model, device)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path, metrics_path = out_dir / "checkpoint.pt", out_dir / "metrics.jsonl"
+    if cfg.resume and ckpt_path.exists():
+        trainer.load_state_dict(load_checkpoint(ckpt_path, device)["trainer"])
+        truncate_metrics(metrics_path, trainer.step)
+        tqdm.write(f"resumed from {ckpt_path} at step {trainer.step}")
+    elif cfg.resume:
+        tqdm.write(f"--resume: no checkpoint at {ckpt_path}; starting from step 0")
+    elif metrics_path.exists():
+        metrics_path.unlink()  # a fresh run starts a fresh log
+    ckpt_every = cfg.checkpoint_every or cfg.sync_every
+    store = make_weight_store(cfg, trainer.model, device)
     trainer.publish(store)  # the current weights, before any searcher starts
     pool = SearcherPool(cfg, examples, reward_fn, store, probe, log=tqdm.write)
     searcher_stats: dict[int, dict] = {}
     searcher_totals: dict[int, list[float]] = {}
-    error: BaseException | None = None
     old_term = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     bar = tqdm(total=cfg.total_steps, initial=trainer.step, desc="TBA", disable=not show_progress,
@@ -378,7 +413,7 @@ def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
                 searcher_totals[rank] = [busy + stats["busy_s"], wall + stats["wall_s"]]
                 step_batches.append(stats)
 
-        with open(out_dir / "metrics.jsonl", "a") as metrics_file:
+        with open(metrics_path, "a") as metrics_file:
             start_time = time.time()
             while trainer.step < cfg.total_steps:
                 t0 = time.perf_counter()
@@ -414,19 +449,17 @@ def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
                 record = {"step": trainer.step, "wall_time": time.time() - start_time, **metrics}
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
+                if trainer.step % ckpt_every == 0:
+                    save_checkpoint(trainer, cfg, ckpt_path)
                 bar.update(1)
                 bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in
                                  ("reward/mean", "eval/accuracy", "async/lag_mean", "train/beta")
                                  if k in metrics})
-    except BaseException as exc:
-        error = exc
-        raise
     finally:
         bar.close()
         signal.signal(signal.SIGTERM, old_term)
-        pool.stop()
-        if on_stop is not None:
-            on_stop(trainer, error)
+        pool.stop()  # children first: every process of the run is gone before the save
+        save_checkpoint(trainer, cfg, ckpt_path)
     trainer.searcher_stats = searcher_stats
     trainer.pool_restarts = pool.restarts
     return trainer
