@@ -92,7 +92,7 @@ def run_system(model_dir: str, seconds: float, warmup_s: float, *, S: int = 1, s
 
     def on_step(trainer, metrics):
         first.append(first[0] if first else time.monotonic())
-        if time.monotonic() - first[0] > seconds:
+        if time.monotonic() - first[0] > warmup_s + seconds:
             raise _Enough
     t0 = time.monotonic()
     try:
@@ -100,7 +100,7 @@ def run_system(model_dir: str, seconds: float, warmup_s: float, *, S: int = 1, s
     except _Enough:
         pass
     rows = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
-    start = next(r for r in rows if r["wall_time"] >= rows[0]["wall_time"] + warmup_s)
+    start = next((r for r in rows[:-1] if r["wall_time"] >= rows[0]["wall_time"] + warmup_s), rows[0])
     last = rows[-1]
     steps_per_s = (last["step"] - start["step"]) / (last["wall_time"] - start["wall_time"])
     window = [r for r in rows if r["step"] > start["step"]]
@@ -120,19 +120,22 @@ def run_system(model_dir: str, seconds: float, warmup_s: float, *, S: int = 1, s
 
 
 def bench_system(model_dir: str, seconds: float, warmup_s: float, scale_seconds: float) -> dict:
-    """Async vs sync with 1 and 2 searchers, then async steps/s against K, T and S."""
+    """Async vs sync with 1 and 2 searchers, then async steps/s against K, T and S (the K, T,
+    S = 3 variants only when ``scale_seconds`` > 0)."""
     base = dict(SYSTEM)
     runs = {}
     for S in (1, 2):
         for sync in (True, False):
             log(f"system run: {'sync' if sync else 'async'}, {S} searcher(s)")
             runs[(S, sync)] = run_system(model_dir, seconds, warmup_s, S=S, sync=sync, **base)
+            log(f"  {runs[(S, sync)]}")
     scaling = [runs[(1, False)], runs[(2, False)]]
     variants = ([dict(base, K=k) for k in (base["K"] // 2, base["K"] * 2)]
                 + [dict(base, T=t) for t in (base["T"] // 2, base["T"] * 2)] + [dict(base, S=3)])
-    for v in variants:
+    for v in variants if scale_seconds > 0 else []:
         log(f"scaling run: S={v.get('S', 1)} K={v['K']} T={v['T']}")
         scaling.append(run_system(model_dir, scale_seconds, warmup_s, **v))
+        log(f"  {scaling[-1]}")
     scaling.insert(0, runs[(1, True)])
     scaling.insert(2, runs[(2, True)])
     one = runs[(1, False)]
@@ -317,21 +320,27 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="~1 minute smoke test, same keys")
     args = parser.parse_args()
     start = time.monotonic()
-    # (seconds per main system run, warm-up, seconds per scaling run, publish reps, tb reps)
-    seconds, warmup, scale_s, pub_reps, tb_reps = (6, 1.5, 3, 2, 3) if args.quick else (45, 5, 25, 7, 15)
+    # Quick: short windows, no scaling variants, a 2-layer publish model, the tb-step ratio on
+    # the system model only; the keys are the same. Full: ~8-10 min on 2 cores.
+    seconds, warmup, scale_s, pub_reps, tb_reps = (4, 1, 0, 2, 3) if args.quick else (45, 5, 25, 7, 15)
+    publish_model = dict(LLAMA_100M, num_hidden_layers=2) if args.quick else LLAMA_100M
     result: dict = {"quick": args.quick, "machine": machine_info()}
     with tempfile.TemporaryDirectory(prefix="tba_bench_models_") as root:
         model_dir = make_model_dir(root, SYSTEM["hidden"], SYSTEM["layers"], SYSTEM["heads"])
-        log("trainer overhead: small model")
-        small = bench_tb_step(make_model_dir(root, 256, 4, 4), P=4, K=8, T=64, reps=tb_reps)
         log("trainer overhead: system model")
         tiny = bench_tb_step(model_dir, P=SYSTEM["P"], K=SYSTEM["K"], T=SYSTEM["T"], reps=tb_reps)
+        small = tiny
+        if not args.quick:
+            log("trainer overhead: small model (hidden 256, 4 layers)")
+            small = bench_tb_step(make_model_dir(root, 256, 4, 4), P=4, K=8, T=64, reps=tb_reps)
         result.update(tb_step_over_bare_step=small["tb_step_over_bare_step"],
                       tb_step_over_bare_step_tiny=tiny["tb_step_over_bare_step"],
-                      tb_step_detail=[small, tiny])
-        log("publish + load of a ~110M-parameter Llama")
-        publish = bench_publish(pub_reps)
+                      tb_step_detail=[small, tiny] if small is not tiny else [tiny])
+        log(f"  {result['tb_step_detail']}")
+        log("publish + load of a Llama from config")
+        publish = bench_publish(pub_reps, model_kwargs=publish_model)
         result.update(publish_over_copy=publish["publish_over_copy"], publish_detail=publish)
+        log(f"  {publish}")
         result.update(bench_system(model_dir, seconds, warmup, scale_s))
         log("GPU (if any)")
         result["gpu"] = bench_gpu(model_dir, pub_reps)

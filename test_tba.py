@@ -553,3 +553,168 @@ def test_cuda_ipc_weight_store_and_hf_engine(tiny_model_dir):
     outs = engine.generate([[5, 6, 7], [8, 9]], n=2)
     assert len(outs) == 2 and all(len(o) == 2 for o in outs)
     assert all(len(tokens) <= 8 for o in outs for tokens, _ in o)
+
+
+# =============================================================================== reliability
+
+import subprocess
+import sys
+
+REPO = Path(__file__).resolve().parent
+
+
+def nan_reward(completion: str, example: dict) -> float:
+    return float("nan")
+
+
+def test_killed_searcher_is_restarted_and_training_continues(tiny_model_dir, tmp_path):
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, total_steps=200, max_searcher_restarts=2)
+    killed, noticed = [], []
+
+    def on_step(trainer, metrics):
+        if trainer.step == 5:
+            victim = next(p for p in multiprocessing.active_children() if p.name == "tba-searcher-0")
+            os.kill(victim.pid, signal.SIGKILL)
+            killed.append(time.monotonic())
+        if metrics["async/searcher_restarts"] == 1 and not noticed:
+            noticed.append(time.monotonic())
+        if killed:
+            time.sleep(0.05)  # a CPU step takes ~30 ms; leave the new searcher time to start
+
+    with time_limit(150):
+        trainer = run_tba(cfg, tiny_examples(), digit_reward, on_step=on_step, show_progress=False)
+    rows = read_metrics(tmp_path)
+    assert trainer.step == 200 and killed and noticed
+    assert noticed[0] - killed[0] < 10, "the dead searcher was noticed too late"
+    assert rows[-1]["async/searcher_restarts"] == 1
+    # The restarted searcher delivered data again (with the newest weights it loaded).
+    assert rows[-1]["searcher0/version"] > rows[4]["step"]
+    assert child_pids() == []
+
+
+def test_searcher_failures_past_the_limit_stop_with_checkpoint(tiny_model_dir, tmp_path):
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, max_searcher_restarts=1)
+    with time_limit(90), pytest.raises(SearcherFailed, match="1 restarts used of 1"):
+        run_tba(cfg, tiny_examples(), failing_reward, show_progress=False)
+    assert (tmp_path / "checkpoint.pt").exists()
+    assert child_pids() == []
+
+
+def test_nan_reward_is_a_loud_error_naming_the_prompt(tiny_model_dir, tmp_path):
+    cfg = tiny_cfg(tiny_model_dir, tmp_path)
+    with time_limit(60), pytest.raises(SearcherFailed, match=r"reward nan for prompt id \d+ is not a finite"):
+        run_tba(cfg, tiny_examples(), nan_reward, show_progress=False)
+    assert child_pids() == []
+
+
+def test_empty_response_has_zero_logprob_and_zero_reward():
+    ids, attn, resp = pad_sequences([[1, 2, 3]], [[]], pad_id=0)
+    assert resp.sum() == 0
+    assert gsm8k_reward("", {"answer": "#### 3"}) == 0.0
+
+
+@pytest.mark.parametrize("content,match", [
+    (None, "not found"),
+    ('{"question": "q", "answer": "#### 1"}\n{not json\n', r"test.jsonl:2: malformed JSON"),
+    ('{"question": "q"}\n', r"test.jsonl:1: missing or empty field 'answer'"),
+    ('{"question": "q", "answer": "so #### many"}\n', r"test.jsonl:1: .*not a number"),
+    ('{"question": "q", "answer": "no marker 5"}\n', r"test.jsonl:1: .*no '#### N'"),
+])
+def test_bad_data_files_fail_before_any_process_starts(tmp_path, content, match):
+    from run_gsm8k import read_gsm8k_jsonl
+
+    if content is not None:
+        (tmp_path / "test.jsonl").write_text(content)
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        read_gsm8k_jsonl(tmp_path / "test.jsonl")
+
+
+def test_prompt_longer_than_context_fails_before_any_process_starts(tiny_model_dir, tmp_path):
+    from run_gsm8k import main
+
+    good = '{"question": "What is 1 + 1?", "answer": "1 + 1 = 2\\n#### 2"}\n'
+    (tmp_path / "train.jsonl").write_text(good)
+    (tmp_path / "test.jsonl").write_text('{"question": "' + "x" * 300 + '", "answer": "#### 2"}\n')
+    with pytest.raises(ValueError, match="test example 0: prompt of .* exceeds the model context of 256"):
+        main(["--preset", "paper", "--model", tiny_model_dir, "--data_dir", str(tmp_path),
+              "--trainer_device", "cpu", "--searcher_devices", "cpu", "--num_searchers", "1",
+              "--max_new_tokens", "20", "--output_dir", str(tmp_path / "out")])
+    assert child_pids() == []
+
+
+def session_pids(sid: int) -> list[int]:
+    """Processes of a session (the run started with start_new_session=True), zombies aside."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+                if int(fields[4]) == sid and fields[0] != "Z":
+                    found.append(int(entry))
+    return found
+
+
+def start_cli_run(model_dir: str, out: Path, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, str(REPO / "run_gsm8k.py"), "--preset", "tiny", "--model", model_dir,
+            "--output_dir", str(out), "--eval_every", "0", "--eval_samples", "0",
+            "--prompts_per_step", "4", "--searcher_batch_prompts", "4", "--num_generations", "4",
+            "--group_size", "4", "--initial_samples", "16", "--max_new_tokens", "12",
+            "--torch_threads", "1", *extra]
+    return subprocess.Popen(args, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_rows(out: Path, rows: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= rows:
+            return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    raise TimeoutError(f"no {rows} metric rows in {timeout}s")
+
+
+def test_sigint_writes_checkpoint_and_every_process_exits(tiny_model_dir, tmp_path):
+    proc = start_cli_run(tiny_model_dir, tmp_path, "--total_steps", "100000", "--checkpoint_every", "1000")
+    try:
+        wait_for_rows(tmp_path, 4, proc)
+        start = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=30)
+        assert time.monotonic() - start < 10, "Ctrl-C took more than 10 s"
+        deadline = time.monotonic() + 10
+        while session_pids(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert session_pids(proc.pid) == [], "a process of the run survived Ctrl-C"
+        state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+        assert state["trainer"]["step"] >= 4  # written on the interrupt, not only every 1000 steps
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_sigkill_then_resume_continues_from_the_checkpoint(tiny_model_dir, tmp_path):
+    proc = start_cli_run(tiny_model_dir, tmp_path, "--total_steps", "100000", "--sync_every", "2",
+                         "--checkpoint_every", "0")
+    try:
+        wait_for_rows(tmp_path, 9, proc)
+        os.kill(proc.pid, signal.SIGKILL)  # the trainer only: searchers must notice and exit
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while session_pids(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert session_pids(proc.pid) == [], "a searcher outlived its killed trainer"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    killed_at = len((tmp_path / "metrics.jsonl").read_text().splitlines())
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["trainer"]["step"]
+    assert killed_at - saved <= 2  # at most one sync interval (k = 2) of work lost
+    resumed = start_cli_run(tiny_model_dir, tmp_path, "--total_steps", str(saved + 4), "--resume")
+    out, _ = resumed.communicate(timeout=180)
+    assert resumed.returncode == 0, out
+    assert f"resumed from {tmp_path / 'checkpoint.pt'} at step {saved}" in out
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
+    assert steps == list(range(1, saved + 5))  # continued, no restart at 0, no duplicates
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["steps"] == saved + 4
