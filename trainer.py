@@ -93,7 +93,11 @@ class WeightStore:
                 version, probe = int(self.header[1].item()), self.header[2].item()
                 load_fn(self.views())
                 if torch.cuda.is_available() and torch.cuda.is_initialized():
-                    torch.cuda.synchronize()  # our copies finished before we re-check seq
+                    # Our copies (on our device's stream, reading the store's device) must be
+                    # finished before seq is re-checked, or a torn read could pass the check.
+                    torch.cuda.synchronize()
+                    if self.flat.is_cuda:
+                        torch.cuda.synchronize(self.flat.device)
                 if self.header[0].item() == seq:
                     return version, probe
             time.sleep(0.001)
@@ -452,8 +456,9 @@ def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
                 if trainer.step % ckpt_every == 0:
                     save_checkpoint(trainer, cfg, ckpt_path)
                 bar.update(1)
-                bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in
-                                 ("reward/mean", "eval/accuracy", "async/lag_mean", "train/beta")
+                bar.set_postfix({short: f"{metrics[k]:.3g}" for short, k in
+                                 (("reward", "reward/mean"), ("acc", "eval/accuracy"),
+                                  ("lag", "async/lag_mean"), ("beta", "train/beta"))
                                  if k in metrics})
     finally:
         bar.close()
