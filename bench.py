@@ -97,7 +97,8 @@ def parallel_speedup(seconds: float) -> float:
         procs = [ctx.Process(target=_spin, args=(seconds, start, out_q)) for _ in range(n)]
         for p in procs:
             p.start()
-        [out_q.get(timeout=120) for _ in procs]  # both imported torch: start them together
+        for _ in procs:  # each has imported torch: start them together
+            out_q.get(timeout=120)
         start.set()
         rates.append(sum(out_q.get(timeout=120) for _ in procs))
         for p in procs:
@@ -106,6 +107,7 @@ def parallel_speedup(seconds: float) -> float:
 
 
 def machine_info(speedup_s: float) -> dict:
+    """Versions, platform and date, plus the load and two-process speedup at the start."""
     import transformers
     return {"cpu_count": os.cpu_count(), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
@@ -139,26 +141,26 @@ def run_system(model_dir: str, seconds: float, warmup_s: float, *, S: int = 1, s
                P: int, K: int, T: int, **_) -> dict:
     """One run_tba, stopped ``warmup_s + seconds`` after its first step. Rates come from the
     metrics.jsonl wall_time of rows after the warm-up (model loading and initial fill excluded)."""
-    out = tempfile.mkdtemp(prefix="tba_bench_")
-    cfg = TBAConfig(model=model_dir, dtype="float32", num_searchers=S, searcher_devices="cpu",
-                    trainer_device="cpu", num_generations=K, group_size=K, prompts_per_step=P,
-                    searcher_batch_prompts=math.ceil(P / S), max_new_tokens=T, synchronous=sync,
-                    lr=1e-5, warmup_steps=1, total_steps=10**6, initial_samples=P * K,
-                    output_dir=out, timeout_s=120, max_searcher_restarts=0, torch_threads=1,
-                    checkpoint_every=10**6)  # a save stalls the trainer ~0.5 s: not a step cost
-    first: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="tba_bench_run_") as out:
+        cfg = TBAConfig(model=model_dir, dtype="float32", num_searchers=S, searcher_devices="cpu",
+                        trainer_device="cpu", num_generations=K, group_size=K, prompts_per_step=P,
+                        searcher_batch_prompts=math.ceil(P / S), max_new_tokens=T, synchronous=sync,
+                        lr=1e-5, warmup_steps=1, total_steps=10**6, initial_samples=P * K,
+                        output_dir=out, timeout_s=120, max_searcher_restarts=0, torch_threads=1,
+                        checkpoint_every=10**6)  # a save stalls the trainer ~0.5 s: not a step cost
+        first_step: list[float] = []
 
-    def on_step(trainer, metrics):
-        first.append(first[0] if first else time.monotonic())
-        if time.monotonic() - first[0] > warmup_s + seconds:
-            raise _Enough
-    t0, (busy0, own0) = time.monotonic(), cpu_seconds()
-    try:
-        run_tba(cfg, examples(), gsm8k_reward, on_step=on_step, show_progress=False)
-    except _Enough:
-        pass
-    (busy1, own1), wall = cpu_seconds(), time.monotonic() - t0
-    rows = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
+        def on_step(trainer, metrics):
+            first_step[:] = first_step or [time.monotonic()]
+            if time.monotonic() - first_step[0] > warmup_s + seconds:
+                raise _Enough
+        t0, (busy0, own0) = time.monotonic(), cpu_seconds()
+        try:
+            run_tba(cfg, examples(), gsm8k_reward, on_step=on_step, show_progress=False)
+        except _Enough:
+            pass
+        (busy1, own1), wall = cpu_seconds(), time.monotonic() - t0
+        rows = [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
     start = next((r for r in rows[:-1] if r["wall_time"] >= rows[0]["wall_time"] + warmup_s), rows[0])
     last, window = rows[-1], [r for r in rows if r["step"] > start["step"]]
     steps_per_s = (last["step"] - start["step"]) / (last["wall_time"] - start["wall_time"])
@@ -242,7 +244,9 @@ def bench_publish(reps: int, device: str = "cpu", model_kwargs: dict = LLAMA_100
     cmd_q, res_q = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_load_child, args=(store, model_kwargs, device, cmd_q, res_q))
     proc.start()
-    pubs, loads = [], []
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    src, dst = store.flat.clone(), torch.empty_like(store.flat)
+    pubs, loads, copies = [], [], []
     try:
         assert res_q.get(timeout=300) == "ready"
         for rep in range(reps + 1):  # rep 0 is a warm-up: first touches of the shared pages
@@ -253,24 +257,22 @@ def bench_publish(reps: int, device: str = "cpu", model_kwargs: dict = LLAMA_100
             version, load_s = res_q.get(timeout=300)
             assert version == rep, f"loaded version {version}, published {rep}"
             loads.append(load_s)
+            sync()  # the baseline in the same rep, so that drift in other load hits both
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            sync()
+            copies.append(time.perf_counter() - t0)
         cmd_q.put(None)
         proc.join(timeout=60)
     finally:
         if proc.is_alive():
             proc.kill()
             proc.join()
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    src, dst, copies = store.flat.clone(), torch.empty_like(store.flat), []
-    for _ in range(reps + 1):
-        sync()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync()
-        copies.append(time.perf_counter() - t0)
     pub, load, copy = (statistics.median(x[1:]) for x in (pubs, loads, copies))
-    total = statistics.median([p + l for p, l in zip(pubs[1:], loads[1:])])
+    ratios = [(p + l) / (2 * c) for p, l, c in zip(pubs[1:], loads[1:], copies[1:])]
     gb = store.flat.numel() * 4 / 1e9
-    return {"publish_over_copy": total / (2 * copy), "params_M": store.flat.numel() / 1e6,
+    return {"publish_over_copy": statistics.median(ratios), "per_rep": [round(r, 3) for r in ratios],
+            "params_M": store.flat.numel() / 1e6,
             "publish_s": pub, "load_s": load, "copy_s": copy, "publish_GBps": gb / pub,
             "load_GBps": gb / load, "copy_GBps": gb / copy,
             "load_in": f"spawned process via {'CUDA IPC' if device != 'cpu' else 'shared memory'}"}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Hashable
 
 
@@ -187,7 +187,8 @@ class ReplayBuffer:
             "capacity": self.capacity, "mop_prob": self.mop_prob, "inv_temp": self.inv_temp,
             "rng": _rng_state_to_list(self.rng.getstate()),
             "num_added": self.num_added,
-            "groups": [[pid, [asdict(t) for t in g]] for pid, g in self.groups.items()],
+            # vars() not asdict(): asdict deep-copies every token list (70x slower at 6k items)
+            "groups": [[pid, [dict(vars(t)) for t in g]] for pid, g in self.groups.items()],
             "mop_pool": list(self._mop_pool), "mop_pool_version": self._mop_pool_version,
             "any_pool": list(self._any_pool),
         }

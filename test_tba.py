@@ -718,3 +718,26 @@ def test_sigkill_then_resume_continues_from_the_checkpoint(tiny_model_dir, tmp_p
     assert steps == list(range(1, saved + 5))  # continued, no restart at 0, no duplicates
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["steps"] == saved + 4
+
+
+# =============================================================================== bench smoke test
+
+def test_bench_quick_writes_every_key(tmp_path):
+    """bench.py --quick end to end (~75 s on 2 cores): it exits 0 and writes every key.
+    Timing goals are not asserted here; bench.py reports them as measured ratios."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "bench.py", "--quick", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    ratios = ("async_over_sync", "async_over_sync_2_searchers", "publish_over_copy",
+              "tb_step_over_bare_step", "searcher_busy_fraction")
+    for key in ratios + ("scaling", "gpu", "machine", "goals_met", "total_runtime_s"):
+        assert key in res, key
+    for key in ratios:
+        assert math.isfinite(res[key]) and res[key] > 0, (key, res[key])
+    assert {r["mode"] for r in res["scaling"]} == {"sync", "async"}
+    assert all(r["steps_per_s"] > 0 for r in res["scaling"])
+    assert {"cpu_count", "torch", "platform", "date"} <= set(res["machine"])
+    assert isinstance(res["gpu"], dict) or res["gpu"].startswith("not measured")
+    assert "async_over_sync" in proc.stdout  # the printed table
