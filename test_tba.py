@@ -649,7 +649,7 @@ def session_pids(sid: int) -> list[int]:
         if entry.isdigit():
             with contextlib.suppress(OSError):
                 fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-                if int(fields[4]) == sid and fields[0] != "Z":
+                if int(fields[3]) == sid and fields[0] != "Z":  # state ppid pgrp session ...
                     found.append(int(entry))
     return found
 
