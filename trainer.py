@@ -401,8 +401,10 @@ def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
     pool = SearcherPool(cfg, examples, reward_fn, store, probe, log=tqdm.write)
     searcher_stats: dict[int, dict] = {}
     searcher_totals: dict[int, list[float]] = {}
-    old_term = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # Ctrl-C and SIGTERM both end the run cleanly (checkpoint, children joined). SIGINT is set
+    # explicitly too: a process started in the background of a script inherits it ignored.
+    old_handlers = {sig: signal.signal(sig, _raise_keyboard_interrupt)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
     bar = tqdm(total=cfg.total_steps, initial=trainer.step, desc="TBA", disable=not show_progress,
                dynamic_ncols=True)
     try:
@@ -462,7 +464,8 @@ def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
                                  if k in metrics})
     finally:
         bar.close()
-        signal.signal(signal.SIGTERM, old_term)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
         pool.stop()  # children first: every process of the run is gone before the save
         save_checkpoint(trainer, cfg, ckpt_path)
     trainer.searcher_stats = searcher_stats
