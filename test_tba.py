@@ -741,3 +741,41 @@ def test_bench_quick_writes_every_key(tmp_path):
     assert {"cpu_count", "torch", "platform", "date"} <= set(res["machine"])
     assert isinstance(res["gpu"], dict) or res["gpu"].startswith("not measured")
     assert "async_over_sync" in proc.stdout  # the printed table
+
+
+# =============================================================================== the main job, end to end
+
+def test_tiny_preset_end_to_end_learns_saves_and_resumes(tmp_path, monkeypatch):
+    """run_gsm8k's tiny preset, shortened for CI: the real warm start, TBA through the whole
+    multi-process system, then checks that the reward rises, outputs load, and --resume
+    continues from the saved step."""
+    import run_gsm8k
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(run_gsm8k, "TINY_DATA", dict(train=2000, test=100, digits=2))
+    out = tmp_path / "tiny"
+    common = ["--preset", "tiny", "--output_dir", str(out), "--eval_every", "40",
+              "--eval_subset", "100", "--eval_samples", "2"]
+    with time_limit(600):
+        results = run_gsm8k.main(common + ["--total_steps", "80"])
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 81))
+    first = sum(r["reward/mean"] for r in rows[:20]) / 20
+    last = sum(r["reward/mean"] for r in rows[-20:]) / 20
+    assert last > first + 0.03, f"training reward did not rise: {first:.3f} -> {last:.3f}"
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["steps"] == 80 and saved["preset"] == "tiny"
+    assert 0 <= saved["accuracy_before"] <= 1 and 0 <= saved["accuracy_after"] <= 1
+    assert {"pass@2", "distinct_2"} <= set(saved["diversity_after"])
+    assert saved == json.loads(json.dumps(results))
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert model.num_parameters() > 0
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert state["trainer"]["step"] == 80
+
+    with time_limit(300):
+        resumed = run_gsm8k.main(common + ["--total_steps", "90", "--resume"])
+    assert resumed["steps"] == 90
+    assert resumed["accuracy_before"] == results["accuracy_before"]  # the run's first "before"
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 91))
+    assert child_pids() == []
