@@ -56,7 +56,8 @@ Deviations from the paper and its official code (bbartoldson/TBA), with reasons
   * Processes and queues instead of the official MPI ranks with barriers at every sync: the
     design card asks for plain torch.multiprocessing, and without barriers the trainer truly
     never waits for a searcher (the official trainer blocks at each sync until searchers finish
-    their batch). Staleness is then bounded by the queue, not by a barrier; we report it.
+    their batch). Staleness then depends on how fast the trainer is relative to the searchers
+    (a fast trainer replays data more often); every step reports it as async/lag_*.
   * Weights travel as shared tensors (CUDA IPC or shared memory) with a version counter,
     not MPI broadcasts through fp32 CPU copies: a sync is a device copy, nothing is pickled.
   * Log-probs are of the untempered policy, EOS included. The official code scores tempered
