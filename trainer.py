@@ -440,7 +440,10 @@ def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
                 metrics.update({"time/wait": wait_s, "time/publish": publish_s,
                                 "async/queue_depth": float(pool.depth()),
                                 "async/searcher_restarts": float(pool.restarts),
+                                "async/batches_in": float(len(step_batches)),
                                 "time/step": time.perf_counter() - t0})
+                # Searcher timings are means over the batches that arrived during this step, so
+                # they are present only on steps with async/batches_in > 0 (no stale repeats).
                 if step_batches:
                     for key in ("generate_s", "reward_s", "reference_s", "load_s"):
                         metrics[f"time/{key[:-2]}"] = sum(s[key] for s in step_batches) / len(step_batches)
