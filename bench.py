@@ -30,8 +30,9 @@ import torch.multiprocessing as mp
 
 from buffer import Trajectory
 from rewards import gsm8k_reward
-from run_gsm8k import PROMPT_TEMPLATE, build_char_tokenizer, build_tiny_model, synthetic_problems
+from run_gsm8k import build_char_tokenizer, build_tiny_model, synthetic_problems, to_examples
 from tba import TBAConfig, pad_sequences
+from searcher import HFEngine
 from trainer import Trainer, WeightStore, run_tba
 
 # name: (goal, "min" | "max"): met when the value is >= (min) or <= (max) the goal.
@@ -127,8 +128,7 @@ def make_model_dir(root: str, hidden: int, layers: int, heads: int) -> str:
 
 
 def examples(n: int = 64) -> list[dict]:
-    return [{"id": i, "prompt": PROMPT_TEMPLATE.format(question=r["question"]), **r}
-            for i, r in enumerate(synthetic_problems(n, seed=0))]
+    return to_examples(synthetic_problems(n, seed=0))
 
 
 # ----------------------------------------------------------------------------- the system
@@ -214,19 +214,15 @@ def _llama(model_kwargs: dict, device: str):
 
 
 def _load_child(store: WeightStore, model_kwargs: dict, device: str, cmd_q, res_q) -> None:
-    """A searcher stand-in in its own process: per command, load the store into its model's
-    parameters through WeightStore.load_into with HFEngine.load_weights' loop (named copy_)."""
+    """A searcher stand-in in its own process: per command, load the store into a transformers
+    engine's model, as a searcher does (WeightStore.load_into with HFEngine.load_weights)."""
     torch.set_num_threads(1)
-    params = dict(_llama(model_kwargs, device).named_parameters())
-
-    @torch.no_grad()
-    def load(named):
-        for name, tensor in named:
-            params[name].copy_(tensor)
+    cfg = TBAConfig(searcher_devices=device, num_searchers=1)
+    engine = HFEngine(cfg, torch.device(device), eos_id=0, pad_id=0, model=_llama(model_kwargs, device))
     res_q.put("ready")
     while cmd_q.get(timeout=300) is not None:
         t0 = time.perf_counter()
-        version, _ = store.load_into(load)
+        version, _ = store.load_into(engine.load_weights)
         res_q.put((version, time.perf_counter() - t0))
 
 
@@ -327,7 +323,6 @@ def bench_gpu(model_dir: str, reps: int) -> dict | str:
     """transformers-engine tokens/s and CUDA-IPC publish+load bandwidth vs device memcpy."""
     if not torch.cuda.is_available():
         return "not measured: no CUDA device"
-    from searcher import HFEngine
     tok = build_char_tokenizer()
     cfg = TBAConfig(model=model_dir, dtype="bfloat16", num_searchers=1, searcher_devices="cuda:0",
                     max_new_tokens=128, num_generations=16, group_size=16)

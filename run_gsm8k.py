@@ -12,9 +12,9 @@ curves.png when matplotlib is installed.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
+import random
 import string
 import sys
 import time
@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from rewards import gsm8k_gold, gsm8k_reward
-from searcher import HFEngine, VLLMEngine, load_causal_lm, use_vllm
+from searcher import HFEngine, VLLMEngine, load_causal_lm, pad_token_id, use_vllm
 from tba import TBAConfig, config_argparser, config_from_args, pad_sequences, sequence_logprobs
 from trainer import run_tba
 
@@ -75,8 +75,6 @@ def build_char_tokenizer():
 
 def synthetic_problems(count: int, seed: int, digits: int = 2) -> list[dict]:
     """GSM8K-format sums made in code: a question and a worked answer ending in ``#### N``."""
-    import random
-
     rng = random.Random(seed)
     lo, hi = 10 ** (digits - 1), 10 ** digits - 1
     rows = []
@@ -88,7 +86,6 @@ def synthetic_problems(count: int, seed: int, digits: int = 2) -> list[dict]:
 
 def build_tiny_model(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0):
     """A tiny Llama-architecture causal LM from a transformers config (no download)."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -179,7 +176,7 @@ class Evaluator:
         self.cfg, self.tokenizer = cfg, tokenizer
         self.device = torch.device(cfg.trainer_device)
         self.eos_id = tokenizer.eos_token_id
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.pad_id = pad_token_id(tokenizer)
         self.vllm = (VLLMEngine(cfg, self.device, self.eos_id, cfg.seed,
                                 memory_utilization=cfg.vllm_eval_memory_utilization)
                      if use_vllm(cfg, self.device) else None)
@@ -323,7 +320,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     preset, base = choose_preset(args.preset)
     wall_start = time.time()
-    # Threads are decided once, before any torch work (warm start, evaluation) in this process.
+    # An explicit thread count applies before any torch work here (warm start, first evaluation);
+    # run_tba then sets cfg.threads_per_process(), which is the same number when one was given.
     torch.set_num_threads(args.torch_threads or base.get("torch_threads") or torch.get_num_threads())
     if preset == "tiny":
         out_dir = Path(args.output_dir or base["output_dir"])

@@ -64,6 +64,11 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, trust_re
     return model.to(device)
 
 
+def pad_token_id(tokenizer) -> int:
+    """The tokenizer's pad id, or its EOS id when it has none (pad positions are masked out)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> float:
     """Order-sensitive float64 checksum of named tensors: equal weights give equal sums."""
     total = 0.0
@@ -233,12 +238,10 @@ class Searcher:
         torch.manual_seed(self.seed)
         self.rng = random.Random(self.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-        eos_id = self.tokenizer.eos_token_id
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_id
-        self.pad_id = pad_id
+        self.pad_id = pad_token_id(self.tokenizer)
         self.examples = examples
         self.prompt_ids = [self.tokenizer(ex["prompt"])["input_ids"] for ex in examples]
-        self.engine = make_engine(cfg, self.device, eos_id, pad_id, self.seed)
+        self.engine = make_engine(cfg, self.device, self.tokenizer.eos_token_id, self.pad_id, self.seed)
         self.ref = load_causal_lm(cfg.ref_model or cfg.model, cfg.torch_dtype(), self.device,
                                   cfg.trust_remote_code).eval().requires_grad_(False)
         self.version = -1
@@ -357,12 +360,12 @@ class Searcher:
 
 
 def searcher_main(rank: int, cfg: TBAConfig, examples: list[dict], reward_fn: Callable,
-                  store, out_queue, stop_event, probe, num_threads: int) -> None:
+                  store, out_queue, stop_event, probe) -> None:
     """Process entry point. Any exception goes to the trainer as ("error", rank, traceback)."""
     # Ctrl-C reaches the whole process group; the trainer owns shutdown and sets stop_event.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        torch.set_num_threads(num_threads)
+        torch.set_num_threads(cfg.threads_per_process())
         Searcher(rank, cfg, examples, reward_fn, store, out_queue, stop_event, probe).run()
     except BaseException:  # noqa: B036 -- report everything (KeyboardInterrupt too), then exit 1
         text = traceback.format_exc()

@@ -84,6 +84,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -215,6 +216,11 @@ class TBAConfig:
         """One device string per searcher."""
         devices = [d.strip() for d in self.searcher_devices.split(",") if d.strip()]
         return devices * self.num_searchers if len(devices) == 1 else devices
+
+    def threads_per_process(self) -> int:
+        """torch CPU threads for the trainer and each searcher: ``torch_threads``, or the cores
+        split evenly over the S + 1 processes (oversubscribed threads only spin)."""
+        return self.torch_threads or max(1, (os.cpu_count() or 1) // (self.num_searchers + 1))
 
     def torch_dtype(self) -> torch.dtype:
         return {"bfloat16": torch.bfloat16, "float16": torch.float16,

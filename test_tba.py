@@ -384,18 +384,23 @@ def failing_reward(completion: str, example: dict) -> float:
     raise RuntimeError("boom: this reward always fails")
 
 
-def child_pids() -> list[int]:
-    """Children of this process, zombies included, read from /proc; Python's own
-    multiprocessing resource tracker (one per interpreter, not ours to stop) is left out."""
-    pids = []
+def proc_stats() -> list[tuple[int, list[str], str]]:
+    """(pid, /proc/PID/stat fields after the command name, cmdline) of every process; field 0
+    is the state, then ppid, pgrp, session. Processes that exit meanwhile are skipped."""
+    found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
                 fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-                cmdline = open(f"/proc/{entry}/cmdline").read()
-                if int(fields[1]) == os.getpid() and "resource_tracker" not in cmdline:
-                    pids.append(int(entry))
-    return pids
+                found.append((int(entry), fields, open(f"/proc/{entry}/cmdline").read()))
+    return found
+
+
+def child_pids() -> list[int]:
+    """Children of this process, zombies included; Python's own multiprocessing resource
+    tracker (one per interpreter, not ours to stop) is left out."""
+    return [pid for pid, fields, cmdline in proc_stats()
+            if int(fields[1]) == os.getpid() and "resource_tracker" not in cmdline]
 
 
 @contextlib.contextmanager
@@ -424,10 +429,9 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def tiny_examples(n: int = 24) -> list[dict]:
-    from run_gsm8k import PROMPT_TEMPLATE, synthetic_problems
+    from run_gsm8k import synthetic_problems, to_examples
 
-    return [{"id": i, "prompt": PROMPT_TEMPLATE.format(question=r["question"]), **r}
-            for i, r in enumerate(synthetic_problems(n, seed=0))]
+    return to_examples(synthetic_problems(n, seed=0))
 
 
 def tiny_cfg(model_dir: str, out: Path, **overrides) -> TBAConfig:
@@ -660,14 +664,7 @@ def test_prompt_longer_than_context_fails_before_any_process_starts(tiny_model_d
 
 def session_pids(sid: int) -> list[int]:
     """Processes of a session (the run started with start_new_session=True), zombies aside."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-                if int(fields[3]) == sid and fields[0] != "Z":  # state ppid pgrp session ...
-                    found.append(int(entry))
-    return found
+    return [pid for pid, fields, _ in proc_stats() if int(fields[3]) == sid and fields[0] != "Z"]
 
 
 def start_cli_run(model_dir: str, out: Path, *extra: str) -> subprocess.Popen:

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from buffer import ReplayBuffer, Trajectory
-from searcher import load_causal_lm, searcher_main, weights_checksum
+from searcher import load_causal_lm, pad_token_id, searcher_main, weights_checksum
 from tba import TBAConfig, beta_at, pad_sequences, sequence_logprobs, tb_log_z, tb_loss, wsd_lr_factor
 
 
@@ -276,15 +276,13 @@ class SearcherPool:
         self.procs: list = [None] * cfg.num_searchers
         self.restarts = 0
         self.last_error: dict[int, str] = {}
-        threads = cfg.torch_threads or max(1, (os.cpu_count() or 1) // (cfg.num_searchers + 1))
-        self.threads = threads
 
     def start(self, rank: int | None = None) -> None:
         for r in ([rank] if rank is not None else range(self.cfg.num_searchers)):
             proc = self.ctx.Process(
                 target=searcher_main, name=f"tba-searcher-{r}", daemon=False,
                 args=(r, self.cfg, self.shards[r], self.reward_fn, self.store, self.queue,
-                      self.stop_event, self.probe, self.threads))
+                      self.stop_event, self.probe))
             proc.start()
             self.procs[r] = proc
 
@@ -375,10 +373,9 @@ def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
 
     device = torch.device(cfg.trainer_device)
     torch.manual_seed(cfg.seed)
-    threads = cfg.torch_threads or max(1, (os.cpu_count() or 1) // (cfg.num_searchers + 1))
-    torch.set_num_threads(threads)
+    torch.set_num_threads(cfg.threads_per_process())
     tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token_id(tokenizer)
     first = examples[0]
     probe = (tokenizer(first["prompt"])["input_ids"],
              tokenizer(first.get("answer", " 0"), add_special_tokens=False)["input_ids"][:64]
@@ -471,6 +468,4 @@ def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
             signal.signal(sig, handler)
         pool.stop()  # children first: every process of the run is gone before the save
         save_checkpoint(trainer, cfg, ckpt_path)
-    trainer.searcher_stats = searcher_stats
-    trainer.pool_restarts = pool.restarts
     return trainer
