@@ -285,7 +285,7 @@ def bench_tb_step(model_dir: str, P: int, K: int, T: int, reps: int) -> dict:
     cfg = TBAConfig(model=model_dir, dtype="float32", trainer_device="cpu", searcher_devices="cpu",
                     num_searchers=1, prompts_per_step=P, group_size=K, num_generations=K,
                     searcher_batch_prompts=P, max_new_tokens=T, lr=1e-5, warmup_steps=1)
-    trainer = Trainer(cfg, torch.device("cpu"), tok.pad_token_id)
+    trainer = Trainer(cfg, torch.device("cpu"), tok.pad_token_id, tok.eos_token_id)
     model, vocab = trainer.model, trainer.model.config.vocab_size
     for p, ex in enumerate(examples(P)):
         prompt = tok(ex["prompt"])["input_ids"]

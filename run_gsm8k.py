@@ -2,8 +2,10 @@
 
     python run_gsm8k.py                      # auto: paper preset with CUDA GPUs, else tiny
     python run_gsm8k.py --preset tiny        # offline, CPU, synthetic GSM8K-format problems
-    python run_gsm8k.py --preset paper --data_dir ../shared/data/gsm8k
+    python run_gsm8k.py --preset smoke       # the paper preset for 10 steps: does it fit?
     python run_gsm8k.py --help               # every TBAConfig field is a flag
+
+GSM8K ships in data/gsm8k (OpenAI's JSONL, MIT licence); --data_dir points elsewhere.
 
 Presets are dicts of TBAConfig values; any explicit flag overrides them. Outputs in output_dir:
 metrics.jsonl, results.json, checkpoint.pt (resumable), final/ (HF model + tokenizer), and
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import statistics
 import string
 import sys
 import time
@@ -31,8 +34,14 @@ from trainer import run_tba
 
 PROMPT_TEMPLATE = "[MATH TASK] Problem:\n{question}\n\nSolution:\n"  # official TBA/VinePPO format
 
+REPO = Path(__file__).resolve().parent
+
 # The paper's GSM8K setup is TBAConfig's defaults; it only needs GPU placement (see main).
 PAPER_PRESET: dict = {}
+# First contact with a GPU box: the paper preset for ten steps, evaluated on 50 test problems,
+# then a summary of seconds per step, peak memory per process, realised m and lag.
+SMOKE_PRESET: dict = dict(total_steps=10, eval_test_size=50, eval_subset=50, eval_samples=0,
+                          output_dir="runs/smoke")
 
 # Offline CPU run: a tiny Llama warm-started on synthetic sums, then TBA with 1 searcher.
 # Numbers from a tuning sweep on a 2-core CPU (README, "Tiny preset").
@@ -43,6 +52,7 @@ TINY_PRESET: dict = dict(
     lr=2e-4, warmup_steps=5, stable_steps=10_000, decay_steps=0, total_steps=400,
     beta_start=0.05, beta_end=0.05, beta_anneal_steps=0, mop_prob=0.95, sync_every=2,
     buffer_capacity=32, initial_samples=128, queue_size=4, seed=0, output_dir="runs/tiny",
+    tempered_logprobs=False, eos_in_logprob=True, max_grad_norm=1.0,
     eval_every=50, eval_subset=200, eval_samples=8, eval_batch_size=100, checkpoint_every=0,
     timeout_s=300.0, torch_threads=1,  # tiny ops: a 2nd thread only spins (34x slower if a core is busy)
 )
@@ -125,18 +135,13 @@ def read_gsm8k_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def load_gsm8k(data_dir: str) -> tuple[list[dict], list[dict]]:
-    """(train, test) rows from ``data_dir`` or, when empty, from the hub via ``datasets``."""
-    if data_dir:
-        return (read_gsm8k_jsonl(Path(data_dir) / "train.jsonl"),
-                read_gsm8k_jsonl(Path(data_dir) / "test.jsonl"))
-    try:
-        from datasets import load_dataset
-    except ImportError:
-        raise SystemExit("GSM8K: pass --data_dir DIR (OpenAI's train.jsonl/test.jsonl), or "
-                         "`pip install datasets` to download openai/gsm8k from the hub") from None
-    data = load_dataset("openai/gsm8k", "main")
-    return [dict(r) for r in data["train"]], [dict(r) for r in data["test"]]
+def load_gsm8k(data_dir: str = "data/gsm8k") -> tuple[list[dict], list[dict]]:
+    """(train, test) rows of ``data_dir``; a relative path missing from the working directory is
+    read from the repository, which ships GSM8K in data/gsm8k."""
+    path = Path(data_dir)
+    if not path.is_absolute() and not path.exists():
+        path = REPO / path
+    return read_gsm8k_jsonl(path / "train.jsonl"), read_gsm8k_jsonl(path / "test.jsonl")
 
 
 def to_examples(rows: list[dict]) -> list[dict]:
@@ -282,7 +287,7 @@ def choose_preset(name: str) -> tuple[str, dict]:
         print(f"preset: {name} ({why}); choose the other with --preset {other}")
     if name == "tiny":
         return name, dict(TINY_PRESET)
-    values = dict(PAPER_PRESET)
+    values = dict(PAPER_PRESET, **(SMOKE_PRESET if name == "smoke" else {}))
     if gpus >= 2:
         values.update(num_searchers=gpus - 1, trainer_device="cuda:0",
                       searcher_devices=",".join(f"cuda:{i}" for i in range(1, gpus)))
@@ -290,6 +295,29 @@ def choose_preset(name: str) -> tuple[str, dict]:
         values.update(num_searchers=1, trainer_device="cuda:0", searcher_devices="cuda:0",
                       vllm_gpu_memory_utilization=0.35)
     return name, values
+
+
+def run_summary(out_dir: Path, mop_prob: float) -> dict:
+    """What a first run on new hardware must tell: seconds per step, the initial fill, peak
+    memory of every process, the realised most-on-policy fraction and the lag (metrics.jsonl)."""
+    rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
+    peaks = {"trainer": max(r["memory/trainer_peak_gb"] for r in rows)}
+    for key in sorted({k for r in rows for k in r if k.endswith("/peak_mem_gb")}):
+        peaks[key.split("/")[0]] = max(r[key] for r in rows if key in r)
+    return {"steps": len(rows), "seconds_per_step_median": statistics.median(r["time/step"] for r in rows),
+            "initial_fill_s": rows[0]["time/wait"], "peak_memory_gb": peaks,
+            "mop_frac": statistics.fmean(r["async/mop_frac"] for r in rows), "mop_prob": mop_prob,
+            "lag_mean": statistics.fmean(r["async/lag_mean"] for r in rows),
+            "lag_max": max(r["async/lag_max"] for r in rows)}
+
+
+def print_summary(summary: dict) -> None:
+    peaks = ", ".join(f"{name} {gb:.1f} GB" for name, gb in summary["peak_memory_gb"].items())
+    print(f"run: {summary['steps']} steps, {summary['seconds_per_step_median']:.2f} s/step (median), "
+          f"initial fill {summary['initial_fill_s']:.0f} s\n"
+          f"peak memory per process: {peaks}\n"
+          f"most-on-policy fraction {summary['mop_frac']:.3f} (m = {summary['mop_prob']}), "
+          f"lag mean {summary['lag_mean']:.2f}, max {summary['lag_max']:.0f} versions")
 
 
 def save_plot(out_dir: Path) -> str | None:
@@ -315,8 +343,9 @@ def save_plot(out_dir: Path) -> str | None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = config_argparser("TBA on GSM8K. Every TBAConfig field is a flag; --preset sets the base.")
-    parser.add_argument("--preset", choices=["auto", "paper", "tiny"], default="auto",
-                        help="base values that explicit flags override (auto: paper with CUDA, else tiny)")
+    parser.add_argument("--preset", choices=["auto", "paper", "smoke", "tiny"], default="auto",
+                        help="base values that explicit flags override (auto: paper with CUDA, else "
+                             "tiny; smoke: paper for 10 steps)")
     args = parser.parse_args(argv)
     preset, base = choose_preset(args.preset)
     wall_start = time.time()
@@ -341,6 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, rows in (("train", train), ("test", test)):
         check_prompt_lengths(rows, tokenizer, getattr(model_config, "max_position_embeddings", None),
                              cfg.max_new_tokens, name)
+    test = test[:cfg.eval_test_size or None]
     subset = test[:cfg.eval_subset]
     torch.manual_seed(cfg.seed)
 
@@ -374,8 +404,9 @@ def main(argv: list[str] | None = None) -> dict:
     results = {**before, **after, "rl_seconds": rl_seconds, "wall_seconds": time.time() - wall_start,
                "steps": trainer.step, "resumed": cfg.resume, "preset": preset,
                "test_size": len(test), "checkpoint": str(final), "plot": save_plot(out_dir),
-               "config": dataclasses.asdict(cfg)}
+               "summary": run_summary(out_dir, cfg.mop_prob), "config": dataclasses.asdict(cfg)}
     results_path.write_text(json.dumps(results, indent=2))
+    print_summary(results["summary"])
     print(f"greedy accuracy: {results['accuracy_before']:.4f} -> {results['accuracy_after']:.4f} "
           f"after {trainer.step} steps ({rl_seconds:.0f} s of RL this run); see {results_path}")
     return results

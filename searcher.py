@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Protocol
 import torch
 
 from buffer import Trajectory
-from tba import TBAConfig, pad_sequences, sequence_logprobs
+from tba import TBAConfig, pad_sequences, peak_memory_gb, score_responses, sequence_logprobs
 
 
 class Engine(Protocol):
@@ -315,9 +315,11 @@ class Searcher:
         t0 = time.perf_counter()
         result = []
         for idx, samples in zip(batch, outputs):  # one forward per prompt group (N sequences)
-            prompts = [self.prompt_ids[idx]] * len(samples)
-            ids, attn, resp = pad_sequences(prompts, [s[0] for s in samples], self.pad_id, self.device)
-            result.append(sequence_logprobs(self.ref, ids, attn, resp).tolist())
+            result.append(score_responses(
+                self.ref, [self.prompt_ids[idx]] * len(samples), [s[0] for s in samples],
+                pad_id=self.pad_id, eos_id=self.tokenizer.eos_token_id,
+                temperature=self.cfg.logprob_temperature(), include_eos=self.cfg.eos_in_logprob,
+                device=self.device).tolist())
         return result, time.perf_counter() - t0
 
     def put(self, message) -> float:
@@ -352,7 +354,7 @@ class Searcher:
                      for idx, samples, rs, refs in zip(batch, outputs, rewards, ref_logps)
                      for (tokens, blp), r, ref in zip(samples, rs, refs)]
             now = time.perf_counter()
-            stats.update(version=self.version, wall_s=now - last,
+            stats.update(version=self.version, wall_s=now - last, peak_mem_gb=peak_memory_gb(self.device),
                          tokens=sum(len(t.response_tokens) for t in trajs))
             stats["busy_s"] = stats["generate_s"] + stats["reward_s"] + stats["reference_s"]
             stats["put_s"] = self.put(("batch", self.rank, trajs, stats))

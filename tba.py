@@ -27,18 +27,19 @@ The algorithm (numbered as the code runs)
   2. The trainer drains the queue into a replay buffer grouped by prompt (dedup by tokens,
      capacity per prompt). It waits only once, until the buffer holds the initial samples;
      after that it never waits for generation.
-  3. Each step t samples P groups of K trajectories: with probability m a prompt refreshed by
-     data from the newest policy version in the buffer (its newest items), else any prompt
-     with items drawn by softmax(r * inv_temp) (inv_temp = 0: uniform). Stale data is fine
-     because the TB optimum does not depend on the sampling distribution.
+  3. Each step t samples P groups of K trajectories. With probability m a group is "most
+     on-policy" (MOP): a prompt refreshed since the latest weight sync (or, when fewer than P
+     were, one of the P most recently refreshed), with its newest items. Otherwise it is any
+     prompt, with items drawn by softmax(r * inv_temp) (inv_temp = 0: uniform). Stale data is
+     fine because the TB optimum does not depend on the sampling distribution.
   4. It recomputes log pi_theta(y|x) with gradients and minimises the VarGrad TB loss (Eq. 5):
 
         d_i     = log pi_theta(y_i|x) - log p_ref(y_i|x) - r(x, y_i) / beta_t
         log Z^  = -(1/K) sum_i d_i                         (per prompt, no gradient)
         L       = 1/(P K) sum_x sum_i (log Z^(x) + d_i)^2
 
-     with beta_t annealed linearly (beta_start -> beta_end), AdamW, gradient clipping and a
-     warmup-stable-decay learning rate.
+     with beta_t annealed linearly (beta_start -> beta_end), AdamW and a warmup-stable-decay
+     learning rate. Log-probs are sums of fp32 log-softmax(logits / T) over response tokens.
   5. Every k steps it publishes its weights to the weight store as version v = t.
 
 How the pieces fit (one machine; paper: S = 3 searchers on GPUs 1-3, trainer on GPU 0)
@@ -51,31 +52,39 @@ How the pieces fit (one machine; paper: S = 3 searchers on GPUs 1-3, trainer on 
         +------- WeightStore: shared tensors + version <-----+  publish every k steps
                  (CUDA IPC on the trainer's GPU, or shared memory)
 
-Deviations from the paper and its official code (bbartoldson/TBA), with reasons
--------------------------------------------------------------------------------
-  * Processes and queues instead of the official MPI ranks with barriers at every sync: the
-    design card asks for plain torch.multiprocessing, and without barriers the trainer truly
-    never waits for a searcher (the official trainer blocks at each sync until searchers finish
-    their batch). Staleness then depends on how fast the trainer is relative to the searchers
-    (a fast trainer replays data more often); every step reports it as async/lag_*.
-  * Weights travel as shared tensors (CUDA IPC or shared memory) with a version counter,
-    not MPI broadcasts through fp32 CPU copies: a sync is a device copy, nothing is pickled.
-  * Log-probs are of the untempered policy, EOS included. The official code scores tempered
-    logits (logits / 0.7) and, because its pad token is EOS, drops EOS from the sum. We keep
-    the paper's math: the target is p_ref exp(r/beta) of the models themselves, the sampling
-    temperature only shapes the behaviour distribution (harmless off-policy), and the choice
-    to stop is part of the response.
+The paper preset is the released run, and where it departs from the paper's equations
+----------------------------------------------------------------------------------------
+TBAConfig's defaults are the authors' released GSM8K run (bbartoldson/TBA,
+launch_training_gsm8k.sh, the 54.6% one). Four of its choices differ from the paper's text; each
+is one flag, so the paper's equations are one flag away:
+  * tempered_logprobs (on): log pi and log p_ref are of logits / T with T = 0.7, the sampling
+    temperature. The TB target is then the tempered policy, which is exactly what the searchers
+    sample from; beta is a KL strength in tempered units (log-ratios ~1/0.7 larger). Off: the
+    models themselves, the paper's Eq. 5.
+  * eos_in_logprob (off): the EOS that ends a response is generated and kept but not scored
+    (the released code pads with EOS and masks it). On: stopping is part of the response.
+  * fp32_master_weights (off): weights and AdamW moments in bf16, no mixed precision. An AdamW
+    step moves a weight by about lr at most, so at lr 1e-5 a bf16 weight with |w| > ~0.004
+    (half an ulp > 1e-5) does not move at all. On: fp32 weights and moments, bf16 autocast.
+  * max_grad_norm (0): no gradient clipping. With r/beta between 71 and 250 the TB residuals
+    are large, and clipping at 1.0 would bind nearly every step (a different effective lr).
+
+Deviations from the official code, with reasons
+-----------------------------------------------
+  * Processes and queues instead of MPI ranks with a barrier at every sync: the trainer truly
+    never waits for a searcher (the official trainer blocks at each sync until every searcher
+    finishes its batch). Staleness then depends on how fast the trainer is relative to the
+    searchers; every step reports it as async/lag_*.
+  * Most-on-policy without barriers: the official "online" prompts are those a sync delivered,
+    all at once. Here data trickles in, so MOP prompts are those refreshed since the latest
+    publish, topped up with the most recently refreshed when fewer than P arrived; every MOP
+    draw can then succeed, and the realised fraction (async/mop_frac) is m.
+  * Weights travel as shared tensors (CUDA IPC or shared memory) with a version counter, not
+    MPI broadcasts through CPU copies: a sync is a device copy, nothing is pickled.
+  * Log-softmax runs in fp32 (sequence_logprobs says why); the official code runs it in bf16.
   * The loss is back-propagated one prompt group at a time (accumulation over P), like the
     official micro-batches of one prompt x 20; it equals tb_loss on the (P, K) batch because
     log Z^ is per prompt, and it bounds memory at K sequences per forward.
-  * Most-on-policy = prompts whose newest items come from the newest policy version in the
-    buffer. The official code uses "overwritten at the last sync", which is the same set when
-    a barrier separates syncs; without barriers, the version is the precise meaning.
-  * Schedules follow the issue's paper numbers (warmup 50, stable 450, decay 500, beta 0.012
-    -> 0.004); the released script uses 50/350/600 with cosine decay, beta from 0.014, and
-    stops at 700 steps. The decay here is cosine, as in transformers' WSD used there.
-  * Gradients are clipped at max_grad_norm (1.0). The official loop never clips; clipping is a
-    cheap guard against the r/beta = 250 scale of early TB residuals. Set it huge to disable.
   * Searchers shuffle their prompt shard each pass (seeded); the official ones walk it in order.
 """
 
@@ -126,12 +135,20 @@ class TBAConfig:
     # --- optimisation (trainer) ---
     lr: float = _knob(1e-5, "peak learning rate of AdamW")
     warmup_steps: int = _knob(50, "linear warmup steps of the warmup-stable-decay schedule")
-    stable_steps: int = _knob(450, "constant-lr steps after warmup")
-    decay_steps: int = _knob(500, "cosine decay-to-zero steps after the stable phase")
-    total_steps: int = _knob(1000, "trainer steps (the released script stops at 700)")
+    stable_steps: int = _knob(350, "constant-lr steps after warmup")
+    decay_steps: int = _knob(600, "steps of the cosine decay to 0 after the stable phase (released "
+                                   "run: 600, cut at step 700, where the lr is half its peak)")
+    total_steps: int = _knob(700, "trainer steps (released run: 98,000 episodes / 140 per step)")
     weight_decay: float = _knob(0.0, "AdamW weight decay")
-    max_grad_norm: float = _knob(1.0, "gradient clipping norm")
-    beta_start: float = _knob(0.012, "KL strength beta at step 0")
+    max_grad_norm: float = _knob(0.0, "clip the gradient norm to this; 0 = no clipping (released run)")
+    fp32_master_weights: bool = _knob(False, "trainer keeps fp32 weights and AdamW moments and "
+                                             "computes in `dtype` under autocast (mixed precision); "
+                                             "off: weights and moments in `dtype` (released run)")
+    tempered_logprobs: bool = _knob(True, "log pi and log p_ref of logits / temperature (released "
+                                          "run); off: of the models themselves (the paper's Eq. 5)")
+    eos_in_logprob: bool = _knob(False, "count the EOS token in log pi(y|x) and log p_ref(y|x); off: "
+                                        "EOS is generated and kept but not scored (released run)")
+    beta_start: float = _knob(0.014, "KL strength beta at step 0")
     beta_end: float = _knob(0.004, "KL strength beta after the anneal")
     beta_anneal_steps: int = _knob(500, "steps of the linear beta anneal")
     gradient_checkpointing: bool = _knob(False, "trade trainer compute for activation memory")
@@ -150,14 +167,17 @@ class TBAConfig:
     # --- run ---
     seed: int = _knob(0, "seed of trainer, buffer and searchers (searcher s uses seed + 1 + s)")
     output_dir: str = _knob("runs/gsm8k", "metrics.jsonl, results.json, checkpoints")
-    data_dir: str = _knob("", "directory with OpenAI's GSM8K train.jsonl/test.jsonl; empty: the hub "
-                              "(needs the optional `datasets` package and a network)")
+    data_dir: str = _knob("data/gsm8k", "directory with OpenAI's GSM8K train.jsonl and test.jsonl "
+                                        "(a relative path not found here is taken from the repository)")
     resume: bool = _knob(False, "continue from output_dir/checkpoint (step, optimizer, scheduler, "
                                 "beta, RNG, replay buffer)")
-    checkpoint_every: int = _knob(50, "write a resumable checkpoint every this many steps "
-                                      "(0: every sync interval k)")
-    eval_every: int = _knob(50, "greedy accuracy on the fixed subset every this many steps (0: never)")
+    checkpoint_every: int = _knob(175, "write a resumable checkpoint every this many steps "
+                                       "(0: every sync interval k); released run: 4 per run")
+    eval_every: int = _knob(0, "greedy accuracy on the fixed subset every this many steps (0: only "
+                               "before and after training, as the released run)")
     eval_subset: int = _knob(200, "size of the fixed evaluation subset (also pass@k and diversity)")
+    eval_test_size: int = _knob(0, "test problems scored greedily before and after training "
+                                   "(0: the whole test split)")
     eval_samples: int = _knob(8, "k of pass@k: sampled answers per subset problem, before and after")
     eval_batch_size: int = _knob(64, "prompts per generate call during evaluation")
     vllm_eval_memory_utilization: float = _knob(0.2, "GPU fraction of the vLLM evaluation engine "
@@ -180,7 +200,7 @@ class TBAConfig:
         for name in ("warmup_steps", "stable_steps", "decay_steps", "beta_anneal_steps",
                      "initial_samples", "eval_every", "eval_subset", "weight_decay",
                      "max_searcher_restarts", "torch_threads", "checkpoint_every",
-                     "eval_samples"):
+                     "eval_samples", "eval_test_size"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(self.group_size >= 2, "group_size (K) must be >= 2: log Z is a mean over K, "
                                    "so with K = 1 the loss is identically 0")
@@ -194,7 +214,7 @@ class TBAConfig:
         need(self.beta_start > 0 and self.beta_end > 0, "beta_start and beta_end must be > 0")
         need(self.lr > 0, f"lr must be > 0, got {self.lr}")
         need(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
-        need(self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        need(self.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0: off), got {self.max_grad_norm}")
         need(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
         need(self.dtype in ("bfloat16", "float16", "float32"), f"dtype {self.dtype!r} unknown")
         need(self.engine in ("auto", "vllm", "hf"), f"engine {self.engine!r} unknown")
@@ -221,6 +241,10 @@ class TBAConfig:
         """torch CPU threads for the trainer and each searcher: ``torch_threads``, or the cores
         split evenly over the S + 1 processes (oversubscribed threads only spin)."""
         return self.torch_threads or max(1, (os.cpu_count() or 1) // (self.num_searchers + 1))
+
+    def logprob_temperature(self) -> float:
+        """T of the scored log-probs: the sampling temperature when tempered, else 1."""
+        return self.temperature if self.tempered_logprobs else 1.0
 
     def torch_dtype(self) -> torch.dtype:
         return {"bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -313,13 +337,14 @@ def beta_at(step: int, start: float, end: float, anneal_steps: int) -> float:
 
 
 def wsd_lr_factor(step: int, warmup: int, stable: int, decay: int) -> float:
-    """Warmup-stable-decay multiplier of the peak lr at ``step`` (0-based).
+    """Warmup-stable-decay multiplier of the peak lr at ``step`` (transformers' ``get_wsd_schedule``
+    with cosine decay, which the released run uses).
 
-    Linear warmup over ``warmup`` steps (first step at 1/warmup, never 0), constant for
-    ``stable`` steps, then cosine decay to 0 over ``decay`` steps; 0 afterwards.
+    Linear warmup from 0 over ``warmup`` steps, constant for ``stable`` steps, then cosine decay
+    to 0 over ``decay`` steps; 0 afterwards. The trainer evaluates it at update t = 1, 2, ...
     """
     if step < warmup:
-        return (step + 1) / warmup
+        return step / warmup
     step -= warmup
     if step < stable:
         return 1.0
@@ -354,16 +379,41 @@ def pad_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: 
 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
-                      attention_mask: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """log pi(y|x) per row (B,): the sum over response tokens of fp32 log-softmax.
+                      attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """log pi(y|x) per row (B,): the sum over response tokens of fp32 log-softmax(logits / T).
 
     Token t is predicted by the logits at t-1; prompt and padding positions are masked out.
     Log-softmax runs in fp32 because bf16 log-probs summed over ~500 tokens drift by whole nats,
-    which beta = 0.004 would amplify 250-fold in d.
+    which beta = 0.004 would amplify 250-fold in d. ``temperature`` T != 1 scores the tempered
+    policy softmax(logits / T), as the released code does with T = 0.7.
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
     targets = input_ids[:, 1:]
     mask = response_mask[:, 1:].to(torch.float32)
     logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     token_logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
     return (token_logp * mask).sum(dim=1)
+
+
+def score_responses(model: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]],
+                    *, pad_id: int, eos_id: int, temperature: float = 1.0,
+                    include_eos: bool = True, device: torch.device | str = "cpu") -> torch.Tensor:
+    """log pi(y|x) (B,) of B (prompt, response) pairs as the TB loss uses it: of logits /
+    ``temperature``, and without a final EOS unless ``include_eos``. The trainer (log pi) and
+    the searchers (log p_ref) both call this, so the two sides of d always match."""
+    if not include_eos:  # the EOS is the last token: dropping it equals masking its position
+        responses = [r[:-1] if r and r[-1] == eos_id else r for r in responses]
+    ids, attn, resp = pad_sequences(prompts, responses, pad_id, device)
+    return sequence_logprobs(model, ids, attn, resp, temperature)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """This process's peak memory in GB: on CUDA the allocator's peak reservation on ``device``
+    (model, optimizer, activations, vLLM's KV cache), else the peak resident set (RAM)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 1e9
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux

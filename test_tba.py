@@ -5,11 +5,18 @@ Run: python -m pytest -q test_tba.py   (all on CPU; GPU/vLLM tests skip with a r
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
+import multiprocessing
+import os
 import pickle
 import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,11 +24,13 @@ import torch
 
 from buffer import ReplayBuffer, Trajectory
 from rewards import RewardModelReward, extract_answer, gsm8k_reward
+from run_gsm8k import (build_char_tokenizer, build_tiny_model, load_gsm8k, read_gsm8k_jsonl,
+                       synthetic_problems, to_examples)
 from tba import (TBAConfig, beta_at, config_argparser, config_from_args, pad_sequences,
-                 sequence_logprobs, tb_log_z, tb_loss, wsd_lr_factor)
+                 score_responses, sequence_logprobs, tb_log_z, tb_loss, wsd_lr_factor)
+from trainer import SearcherFailed, Trainer, WeightStore, run_tba
 
-GSM8K_DIR = Path(__file__).resolve().parent.parent / "shared" / "data" / "gsm8k"
-
+REPO = Path(__file__).resolve().parent
 
 # =============================================================================== the loss
 
@@ -152,43 +161,93 @@ def test_tb_off_policy_converges_to_closed_form_target():
                        all_ref, all_r, beta).item() > 1e-3  # and not 0 elsewhere
 
 
+class CumsumLM(torch.nn.Module):
+    """A toy causal LM: logits at t = cumulative sum of token embeddings up to t."""
+
+    def __init__(self, vocab: int = 11):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(vocab, vocab)
+
+    def forward(self, input_ids, attention_mask=None):
+        return type("Out", (), {"logits": self.emb(input_ids).cumsum(1)})()
+
+
+def loop_logprob(model, prompt, response, temperature=1.0) -> float:
+    """Slow reference: sum over response tokens of log-softmax(logits / T), token by token."""
+    logits = model(torch.tensor([prompt + response])).logits[0].double() / temperature
+    logp = logits.log_softmax(-1)
+    return sum(logp[len(prompt) + j - 1, tok].item() for j, tok in enumerate(response))
+
+
 def test_sequence_logprobs_masks_prompt_and_padding():
     """sequence_logprobs equals a per-token loop over response tokens only (EOS included)."""
-    torch.manual_seed(0)
-    vocab = 11
-    emb = torch.nn.Embedding(vocab, vocab)
-
-    class Toy(torch.nn.Module):
-        def forward(self, input_ids, attention_mask):
-            return type("Out", (), {"logits": emb(input_ids).cumsum(1)})()
-
+    model = CumsumLM()
     prompts, responses = [[1, 2, 3], [4, 5]], [[6, 7, 10], [8]]
     ids, attn, resp = pad_sequences(prompts, responses, pad_id=0)
-    got = sequence_logprobs(Toy(), ids, attn, resp)
+    got = sequence_logprobs(model, ids, attn, resp)
     for row, (p, r) in enumerate(zip(prompts, responses)):
-        seq = torch.tensor([p + r])
-        logits = Toy()(seq, None).logits[0].double().log_softmax(-1)
-        want = sum(logits[len(p) + j - 1, tok].item() for j, tok in enumerate(r))
-        assert got[row].item() == pytest.approx(want, abs=1e-5)
+        assert got[row].item() == pytest.approx(loop_logprob(model, p, r), abs=1e-5)
+
+
+def test_score_responses_tempers_and_drops_a_final_eos():
+    """The released run's log-probs: of logits / 0.7, the EOS that ends a response not counted
+    (a response cut at max_new_tokens has no EOS and loses nothing)."""
+    model, eos = CumsumLM(), 10
+    prompts, responses = [[1, 2, 3], [4, 5], [2]], [[6, 7, eos], [8, 9], [eos]]
+    got = score_responses(model, prompts, responses, pad_id=0, eos_id=eos, temperature=0.7,
+                          include_eos=False)
+    want = [loop_logprob(model, p, r[:-1] if r[-1] == eos else r, 0.7)
+            for p, r in zip(prompts, responses)]
+    assert got.tolist() == pytest.approx(want, abs=1e-5) and want[2] == 0.0
+    with_eos = score_responses(model, prompts, responses, pad_id=0, eos_id=eos)
+    assert with_eos.tolist() == pytest.approx([loop_logprob(model, p, r) for p, r in
+                                               zip(prompts, responses)], abs=1e-5)
 
 
 # =============================================================================== schedules, config
 
-def test_schedules():
-    assert beta_at(0, 0.012, 0.004, 500) == pytest.approx(0.012)
-    assert beta_at(250, 0.012, 0.004, 500) == pytest.approx(0.008)
-    assert beta_at(10_000, 0.012, 0.004, 500) == pytest.approx(0.004)
-    factors = [wsd_lr_factor(s, 50, 450, 500) for s in range(1001)]
-    assert factors[0] == pytest.approx(1 / 50) and factors[49] == pytest.approx(1.0)
-    assert all(f == 1.0 for f in factors[50:500])
-    assert factors[750] == pytest.approx(0.5) and factors[1000] == 0.0
-    assert all(a >= b for a, b in zip(factors[500:], factors[501:]))
+def test_schedules_are_the_released_runs():
+    """beta 0.014 -> 0.004 linearly over 500 updates; lr warmup-stable-decay 50/350/600 with
+    cosine decay, equal to transformers' get_wsd_schedule that the released run uses."""
+    from transformers import get_wsd_schedule
+
+    assert beta_at(0, 0.014, 0.004, 500) == pytest.approx(0.014)
+    assert beta_at(250, 0.014, 0.004, 500) == pytest.approx(0.009)
+    assert beta_at(10_000, 0.014, 0.004, 500) == pytest.approx(0.004)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    reference = get_wsd_schedule(opt, num_warmup_steps=50, num_stable_steps=350,
+                                 num_decay_steps=600, decay_type="cosine")
+    want = [reference.lr_lambdas[0](t) for t in range(1001)]
+    factors = [wsd_lr_factor(t, 50, 350, 600) for t in range(1001)]
+    assert factors == pytest.approx(want, abs=1e-12)
+    # Update t (1-based) runs at factor t: 1/50 first, the peak from 50 to 400, half at 700.
+    assert factors[1] == pytest.approx(1 / 50) and set(factors[50:401]) == {1.0}
+    assert factors[700] == pytest.approx(0.5) and factors[1000] == 0.0
 
 
-def test_config_defaults_validation_and_cli():
+def test_paper_preset_is_the_released_run():
+    """TBAConfig's defaults, row by row, are bbartoldson/TBA's launch_training_gsm8k.sh run."""
     cfg = TBAConfig()
-    assert (cfg.group_size, cfg.num_generations, cfg.prompts_per_step, cfg.sync_every) == (20, 24, 7, 2)
-    assert (cfg.beta_start, cfg.beta_end, cfg.mop_prob, cfg.temperature) == (0.012, 0.004, 0.95, 0.7)
+    assert cfg.model == "realtreetune/rho-1b-sft-GSM8K" and cfg.dtype == "bfloat16"
+    assert (cfg.num_generations, cfg.group_size, cfg.prompts_per_step) == (24, 20, 7)
+    assert (cfg.searcher_batch_prompts, cfg.temperature, cfg.max_new_tokens) == (3, 0.7, 512)
+    assert (cfg.total_steps, cfg.lr, cfg.weight_decay) == (700, 1e-5, 0.0)
+    assert (cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps) == (50, 350, 600)
+    assert (cfg.beta_start, cfg.beta_end, cfg.beta_anneal_steps) == (0.014, 0.004, 500)
+    assert cfg.max_grad_norm == 0  # no clipping
+    assert not cfg.fp32_master_weights  # bf16 weights and AdamW moments
+    assert cfg.tempered_logprobs and cfg.logprob_temperature() == 0.7 and not cfg.eos_in_logprob
+    assert (cfg.mop_prob, cfg.sync_every, cfg.inv_temp) == (0.95, 2, 0.0)
+    assert (cfg.initial_samples, cfg.buffer_capacity) == (500, 100)
+    assert cfg.total_steps // cfg.checkpoint_every == 4 and cfg.eval_every == 0
+    # Each variant of the paper's equations is one flag away.
+    variant = TBAConfig(tempered_logprobs=False, eos_in_logprob=True, fp32_master_weights=True,
+                        max_grad_norm=1.0)
+    assert variant.logprob_temperature() == 1.0
+
+
+def test_config_validation_and_cli():
     with pytest.raises(ValueError, match="group_size"):
         TBAConfig(group_size=1)
     with pytest.raises(ValueError, match="mop_prob"):
@@ -197,9 +256,13 @@ def test_config_defaults_validation_and_cli():
         TBAConfig(num_searchers=2, searcher_devices="cuda:1,cuda:2,cuda:3")
     with pytest.raises(ValueError, match="num_generations"):
         TBAConfig(num_generations=200)
-    args = config_argparser().parse_args(["--total_steps", "7", "--synchronous", "--beta_end", "0.01"])
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        TBAConfig(max_grad_norm=-1.0)
+    args = config_argparser().parse_args(["--total_steps", "7", "--synchronous", "--beta_end", "0.01",
+                                          "--no-tempered_logprobs"])
     cfg = config_from_args(args, base={"total_steps": 3, "lr": 1e-3})
     assert (cfg.total_steps, cfg.synchronous, cfg.beta_end, cfg.lr) == (7, True, 0.01, 1e-3)
+    assert not cfg.tempered_logprobs
 
 
 # =============================================================================== replay buffer
@@ -235,24 +298,70 @@ def test_buffer_shapes_and_sampling_with_replacement():
         buf.sample(6, 2)
 
 
-def test_buffer_mop_fraction_and_mop_groups_are_newest():
+def test_buffer_mop_prompts_are_those_refreshed_since_the_latest_sync():
     m = 0.7
     buf = ReplayBuffer(capacity=50, mop_prob=m, seed=1)
     for pid in range(40):
         for j in range(6):
             buf.add(traj(pid, [pid, j], version=0))
-    for pid in range(30, 40):  # ten prompts refreshed by version 2
-        for j in range(6):
+    buf.mark_sync()
+    for pid in range(30, 40):  # ten prompts refreshed after the sync, by version 2
+        for j in range(3):
             buf.add(traj(pid, [pid, 100 + j], version=2))
-    flags = []
+    flags, mop_prompts = [], []
     for _ in range(600):
-        groups, is_mop = buf.sample(1, 4)
+        groups, is_mop = buf.sample(3, 4)
         flags += is_mop
         for g, mop in zip(groups, is_mop):
-            if mop:
+            if mop:  # a refreshed prompt, and only its newest items
                 assert g[0].prompt_id in range(30, 40) and all(t.version == 2 for t in g)
+                mop_prompts.append(g[0].prompt_id)
     frac = sum(flags) / len(flags)
-    assert abs(frac - m) < 0.07, f"MOP fraction {frac:.3f}, expected ~{m}"
+    assert abs(frac - m) < 0.05, f"MOP fraction {frac:.3f}, expected ~{m}"
+    # Cycled without replacement: each run of ten MOP draws covers the ten fresh prompts.
+    assert sorted(mop_prompts[:10]) == list(range(30, 40))
+    # Fewer fresh prompts than P: the P most recently refreshed ones stand in.
+    buf.mark_sync()
+    buf.add(traj(5, [5, 99], version=4))
+    buf.mop_prob = 1.0
+    groups, is_mop = buf.sample(3, 2)
+    assert all(is_mop) and {g[0].prompt_id for g in groups} == {5, 38, 39}
+
+
+def test_mop_fraction_is_realised_at_the_paper_shape(tiny_model_dir):
+    """Simulated searchers at the paper's shape feed the real Trainer as run_tba does: 3
+    searchers of different speeds (a batch of 3 prompts x 24 every 1, 1.7 and 2.9 trainer
+    steps), P = 7 prompts of K = 20 per step, a sync every 2 steps. Often fewer than P prompts
+    are fresh since the sync; the realised most-on-policy fraction is still m."""
+    cfg = TBAConfig(model=tiny_model_dir, dtype="float32", num_searchers=3, searcher_devices="cpu",
+                    trainer_device="cpu", lr=1e-4, max_new_tokens=4, initial_samples=200)
+    trainer = Trainer(cfg, torch.device("cpu"), pad_id=0, eos_id=1)
+    store = WeightStore(trainer.named_params(), torch.float32, torch.device("cpu"))
+    rng = random.Random(0)
+    periods, next_prompt = (1.0, 1.7, 2.9), 0
+    due, held = [0.0, 0.0, 0.0], [0, 0, 0]  # next delivery (in steps) and weights version held
+    mop_fracs, short_steps = [], 0
+    for step in range(200):
+        for s in range(3):
+            while due[s] <= step:  # deliver a batch made with the weights held, then load newer
+                for _ in range(3):
+                    for _ in range(24):
+                        trainer.buffer.add(Trajectory(next_prompt % 400, [5, 6], [rng.randrange(4, 40)
+                                           for _ in range(3)] + [1], float(rng.random() < 0.4),
+                                           -9.0, held[s]))
+                    next_prompt += 1
+                due[s] += periods[s]
+                held[s] = store.version()
+        if not trainer.ready():
+            continue
+        short_steps += len(trainer.buffer._fresh) < cfg.prompts_per_step
+        metrics = trainer.train_step()
+        mop_fracs.append(metrics["async/mop_frac"])
+        if trainer.step % cfg.sync_every == 0:
+            trainer.publish(store)
+    realised = sum(mop_fracs) / len(mop_fracs)
+    assert len(mop_fracs) > 150 and short_steps > 20
+    assert abs(realised - cfg.mop_prob) < 0.03, f"realised m {realised:.3f}"
 
 
 def test_buffer_inv_temp_zero_is_uniform_and_large_picks_best():
@@ -292,17 +401,12 @@ def test_buffer_state_round_trip(tmp_path):
 
 # =============================================================================== rewards
 
-def load_gsm8k():
-    rows = []
-    for split in ("train", "test"):
-        with open(GSM8K_DIR / f"{split}.jsonl") as f:
-            rows += [json.loads(line) for line in f if line.strip()]
-    return rows
-
-
-def test_gsm8k_reward_on_every_real_example():
-    rows = load_gsm8k()
-    assert len(rows) == 8792
+def test_gsm8k_ships_with_the_repository_and_every_gold_answer_scores():
+    """data/gsm8k is OpenAI's GSM8K (MIT): read by the main job's loader, from the repository."""
+    train, test = load_gsm8k()  # the default data_dir, data/gsm8k
+    assert (len(train), len(test)) == (7473, 1319)
+    assert (REPO / "data" / "gsm8k" / "LICENSE").read_text().startswith("MIT License")
+    rows = train + test
     for ex in rows:
         assert gsm8k_reward(ex["answer"], ex) == 1.0, ex["answer"][-80:]
         head, gold = ex["answer"].rsplit("####", 1)
@@ -348,7 +452,6 @@ def test_gsm8k_reward_bad_example_is_loud():
 
 def test_reward_model_reward_with_tiny_classifier(tmp_path):
     from transformers import GPT2Config, GPT2ForSequenceClassification
-    from run_gsm8k import build_char_tokenizer
 
     tok = build_char_tokenizer()
     cfg = GPT2Config(vocab_size=len(tok), n_positions=128, n_embd=16, n_layer=1, n_head=2,
@@ -366,13 +469,6 @@ def test_reward_model_reward_with_tiny_classifier(tmp_path):
 
 # =============================================================================== the system (multi-process, CPU)
 
-import contextlib
-import multiprocessing
-import os
-import signal
-import time
-
-from trainer import SearcherFailed, WeightStore, run_tba
 
 
 def digit_reward(completion: str, example: dict) -> float:
@@ -419,7 +515,6 @@ def time_limit(seconds: int):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from run_gsm8k import build_char_tokenizer, build_tiny_model
 
     path = tmp_path_factory.mktemp("tiny_model")
     tok = build_char_tokenizer()
@@ -429,7 +524,6 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def tiny_examples(n: int = 24) -> list[dict]:
-    from run_gsm8k import synthetic_problems, to_examples
 
     return to_examples(synthetic_problems(n, seed=0))
 
@@ -522,6 +616,28 @@ def test_system_searcher_error_fails_trainer_fast_with_traceback(tiny_model_dir,
     assert child_pids() == [] and multiprocessing.active_children() == []
 
 
+@pytest.mark.parametrize("fp32_master", [False, True])
+def test_trainer_weights_and_adamw_moments_dtype(tiny_model_dir, fp32_master):
+    """Released run: bf16 weights and bf16 AdamW moments; --fp32_master_weights: fp32 both,
+    bf16 compute under autocast."""
+    cfg = TBAConfig(model=tiny_model_dir, dtype="bfloat16", fp32_master_weights=fp32_master,
+                    trainer_device="cpu", searcher_devices="cpu", num_searchers=1, num_generations=2,
+                    group_size=2, prompts_per_step=2, searcher_batch_prompts=2, initial_samples=1,
+                    lr=1e-2, warmup_steps=0)
+    trainer = Trainer(cfg, torch.device("cpu"), pad_id=0, eos_id=1)
+    for pid in range(2):
+        for j in range(2):
+            trainer.buffer.add(Trajectory(pid, [5, 6], [7 + j, 8, 1], float(j), -3.0, 0))
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    metrics = trainer.train_step()
+    want = torch.float32 if fp32_master else torch.bfloat16
+    assert all(p.dtype == want for p in trainer.model.parameters())
+    moments = [st[key] for st in trainer.optimizer.state.values() for key in ("exp_avg", "exp_avg_sq")]
+    assert moments and all(m.dtype == want for m in moments)
+    assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+    assert math.isfinite(metrics["loss/tb"]) and metrics["train/grad_norm"] > 0
+
+
 def test_weight_store_seqlock_round_trip_cpu():
     src = torch.nn.Linear(4, 3)
     store = WeightStore(list(src.named_parameters()), torch.float32, torch.device("cpu"))
@@ -574,11 +690,6 @@ def test_cuda_ipc_weight_store_and_hf_engine(tiny_model_dir):
 
 
 # =============================================================================== reliability
-
-import subprocess
-import sys
-
-REPO = Path(__file__).resolve().parent
 
 
 def nan_reward(completion: str, example: dict) -> float:
@@ -641,7 +752,6 @@ def test_empty_response_has_zero_logprob_and_zero_reward():
     ('{"question": "q", "answer": "no marker 5"}\n', r"test.jsonl:1: .*no '#### N'"),
 ])
 def test_bad_data_files_fail_before_any_process_starts(tmp_path, content, match):
-    from run_gsm8k import read_gsm8k_jsonl
 
     if content is not None:
         (tmp_path / "test.jsonl").write_text(content)
@@ -659,6 +769,33 @@ def test_prompt_longer_than_context_fails_before_any_process_starts(tiny_model_d
         main(["--preset", "paper", "--model", tiny_model_dir, "--data_dir", str(tmp_path),
               "--trainer_device", "cpu", "--searcher_devices", "cpu", "--num_searchers", "1",
               "--max_new_tokens", "20", "--output_dir", str(tmp_path / "out")])
+    assert child_pids() == []
+
+
+def test_smoke_preset_reports_step_time_memory_mop_and_lag(tiny_model_dir, tmp_path, capsys):
+    """--preset smoke: the paper preset (bf16, N = 24, K = 20, P = 7) for ten steps, then the
+    summary a user needs on a new GPU box. Here on CPU with a tiny model and short answers."""
+    from run_gsm8k import main
+
+    rows = "".join(json.dumps({"question": f"What is {a} + {a}?", "answer": f"#### {2 * a}"}) + "\n"
+                   for a in range(30))
+    (tmp_path / "train.jsonl").write_text(rows)
+    (tmp_path / "test.jsonl").write_text(rows)
+    with time_limit(240):
+        results = main(["--preset", "smoke", "--model", tiny_model_dir, "--data_dir", str(tmp_path),
+                        "--trainer_device", "cpu", "--searcher_devices", "cpu", "--num_searchers", "1",
+                        "--max_new_tokens", "8", "--initial_samples", "48", "--torch_threads", "1",
+                        "--output_dir", str(tmp_path / "out")])
+    summary = results["summary"]
+    assert summary["steps"] == 10 and summary["seconds_per_step_median"] > 0
+    assert set(summary["peak_memory_gb"]) == {"trainer", "searcher0"}
+    assert all(0 < gb < 24 for gb in summary["peak_memory_gb"].values())
+    assert 0 <= summary["mop_frac"] <= 1 and summary["lag_max"] >= summary["lag_mean"] >= 0
+    assert results["test_size"] == 30 and results["config"]["dtype"] == "bfloat16"
+    printed = capsys.readouterr().out
+    for text in ("s/step (median)", "peak memory per process: trainer", "most-on-policy fraction",
+                 "lag mean"):
+        assert text in printed, text
     assert child_pids() == []
 
 
@@ -779,6 +916,8 @@ def test_tiny_preset_end_to_end_learns_saves_and_resumes(tmp_path, monkeypatch):
     first = sum(r["reward/mean"] for r in rows[:75]) / 75
     last = sum(r["reward/mean"] for r in rows[-75:]) / 75
     assert last > first + 0.04, f"training reward did not rise: {first:.3f} -> {last:.3f}"
+    realised = sum(r["async/mop_frac"] for r in rows) / len(rows)
+    assert abs(realised - 0.95) < 0.03, f"most-on-policy fraction {realised:.3f}, m = 0.95"
     saved = json.loads((out / "results.json").read_text())
     assert saved["steps"] == 300 and saved["preset"] == "tiny"
     assert 0 <= saved["accuracy_before"] <= 1 and 0 <= saved["accuracy_after"] <= 1

@@ -32,7 +32,8 @@ from tqdm import tqdm
 
 from buffer import ReplayBuffer, Trajectory
 from searcher import load_causal_lm, pad_token_id, searcher_main, weights_checksum
-from tba import TBAConfig, beta_at, pad_sequences, sequence_logprobs, tb_log_z, tb_loss, wsd_lr_factor
+from tba import (TBAConfig, beta_at, pad_sequences, peak_memory_gb, score_responses,
+                 sequence_logprobs, tb_log_z, tb_loss, wsd_lr_factor)
 
 
 class SearcherFailed(RuntimeError):
@@ -119,21 +120,26 @@ def make_weight_store(cfg: TBAConfig, model: torch.nn.Module, device: torch.devi
 class Trainer:
     """Model, optimizer, schedule and replay buffer; ``train_step`` is steps 3-4 of TBA."""
 
-    def __init__(self, cfg: TBAConfig, device: torch.device, pad_id: int,
+    def __init__(self, cfg: TBAConfig, device: torch.device, pad_id: int, eos_id: int,
                  probe: tuple[list[int], list[int]] | None = None):
-        self.cfg, self.device, self.pad_id, self.probe = cfg, device, pad_id, probe
-        # fp32 master weights; bf16/fp16 compute through autocast on CUDA (mixed precision).
-        self.model = load_causal_lm(cfg.model, torch.float32, device, cfg.trust_remote_code)
+        self.cfg, self.device, self.pad_id, self.eos_id, self.probe = cfg, device, pad_id, eos_id, probe
+        # Released run: weights and AdamW moments in bf16, no autocast. fp32_master_weights: fp32
+        # weights and moments, computing in `dtype` under autocast on CUDA (mixed precision).
+        mixed = cfg.fp32_master_weights and cfg.dtype != "float32"
+        self.model = load_causal_lm(cfg.model, torch.float32 if mixed else cfg.torch_dtype(), device,
+                                    cfg.trust_remote_code)
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.train()
-        self.autocast = (torch.autocast("cuda", dtype=cfg.torch_dtype())
-                         if device.type == "cuda" and cfg.dtype != "float32"
+        self.autocast = (torch.autocast(device.type, dtype=cfg.torch_dtype()) if mixed
                          else contextlib.nullcontext())
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr,
                                            weight_decay=cfg.weight_decay)
+        # The released code steps its scheduler before each update, so update t (1-based) runs
+        # at the factor of t: LambdaLR's counter s starts at 0, hence s + 1.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: wsd_lr_factor(s, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps))
+            self.optimizer,
+            lambda s: wsd_lr_factor(s + 1, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps))
         self.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.mop_prob, cfg.inv_temp, cfg.seed)
         self.step = 0  # optimizer steps done = the version of the current weights
         self.published: dict[int, float | None] = {}  # version -> checksum (parity tests)
@@ -153,6 +159,7 @@ class Trainer:
         t0 = time.perf_counter()
         probe = self.probe_logprob() if self.cfg.parity_check else 0.0
         store.publish(self.named_params(), self.step, probe)
+        self.buffer.mark_sync()  # most-on-policy now means refreshed after this publish
         if self.cfg.parity_check:
             self.published[self.step] = weights_checksum(store.views())
         return time.perf_counter() - t0
@@ -184,10 +191,11 @@ class Trainer:
         for group in groups:
             # One prompt group per forward/backward: log Z is per prompt, so summing the group
             # losses / P equals tb_loss on the (P, K) batch while holding only K sequences.
-            ids, attn, resp = pad_sequences([t.prompt_tokens for t in group],
-                                            [t.response_tokens for t in group], self.pad_id, self.device)
             with self.autocast:
-                logp = sequence_logprobs(self.model, ids, attn, resp).view(1, -1)
+                logp = score_responses(
+                    self.model, [t.prompt_tokens for t in group], [t.response_tokens for t in group],
+                    pad_id=self.pad_id, eos_id=self.eos_id, temperature=cfg.logprob_temperature(),
+                    include_eos=cfg.eos_in_logprob, device=self.device).view(1, -1)
             ref = torch.tensor([[t.ref_logprob for t in group]], dtype=torch.float32, device=self.device)
             reward = torch.tensor([[t.reward for t in group]], dtype=torch.float32, device=self.device)
             loss = tb_loss(logp, ref, reward, beta)
@@ -195,7 +203,10 @@ class Trainer:
             losses.append(loss.item())
             log_zs.append(tb_log_z(logp, ref, reward, beta).item())
             all_logp.append(logp.detach().mean().item())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, grad_norm)
         if not torch.isfinite(grad_norm):
             raise FloatingPointError(f"trainer step {self.step}: gradient norm is {grad_norm.item()}")
         lr = self.scheduler.get_last_lr()[0]
@@ -380,7 +391,7 @@ def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
     probe = (tokenizer(first["prompt"])["input_ids"],
              tokenizer(first.get("answer", " 0"), add_special_tokens=False)["input_ids"][:64]
              + [tokenizer.eos_token_id])
-    trainer = Trainer(cfg, device, pad_id, probe)
+    trainer = Trainer(cfg, device, pad_id, tokenizer.eos_token_id, probe)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path, metrics_path = out_dir / "checkpoint.pt", out_dir / "metrics.jsonl"
@@ -438,6 +449,7 @@ def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
                                 "async/queue_depth": float(pool.depth()),
                                 "async/searcher_restarts": float(pool.restarts),
                                 "async/batches_in": float(len(step_batches)),
+                                "memory/trainer_peak_gb": peak_memory_gb(device),
                                 "time/step": time.perf_counter() - t0})
                 # Searcher timings are means over the batches that arrived during this step, so
                 # they are present only on steps with async/batches_in > 0 (no stale repeats).
@@ -448,6 +460,7 @@ def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
                 for rank, (busy, wall) in sorted(searcher_totals.items()):
                     metrics[f"searcher{rank}/busy_frac"] = busy / wall if wall > 0 else 0.0
                     metrics[f"searcher{rank}/version"] = float(searcher_stats[rank]["version"])
+                    metrics[f"searcher{rank}/peak_mem_gb"] = searcher_stats[rank]["peak_mem_gb"]
                     if searcher_stats[rank].get("checksum") is not None:
                         metrics[f"searcher{rank}/checksum"] = searcher_stats[rank]["checksum"]
                 if on_step is not None:
