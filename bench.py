@@ -331,7 +331,7 @@ def bench_gpu(model_dir: str, reps: int) -> dict | str:
     engine.generate(prompts, 16)  # warm-up: kernels, allocator
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    tokens = sum(len(r) for o in engine.generate(prompts, 16) for r, _ in o)
+    tokens = sum(len(r) for o in engine.generate(prompts, 16) for r in o)
     return {"device": torch.cuda.get_device_name(0),
             "hf_engine_tokens_per_s": tokens / (time.perf_counter() - t0),
             "ipc_publish": bench_publish(reps, device="cuda:0")}

@@ -37,7 +37,6 @@ class Trajectory:
     reward: float  # r(x, y)
     ref_logprob: float  # log p_ref(y|x), summed over response tokens
     version: int  # policy version (trainer steps) of the weights that generated it
-    behaviour_logprob: float | None = None  # log pi_behaviour(y|x) when the engine reports it
 
 
 class ReplayBuffer:
@@ -58,6 +57,7 @@ class ReplayBuffer:
         # prompt -> its items, oldest version first; the dict is ordered by latest refresh
         self.groups: dict[Hashable, list[Trajectory]] = {}
         self.num_added = 0  # every trajectory ever added, duplicates included
+        self.newest_version = -1  # the newest policy version among the items (never decreases)
         self._fresh: set[Hashable] = set()  # prompts refreshed since the latest mark_sync()
         self._mop_drawn: set[Hashable] = set()  # drawn as MOP in this cycle of the fresh set
         self._any_drawn: set[Hashable] = set()  # drawn off-policy in this cycle of all prompts
@@ -82,6 +82,7 @@ class ReplayBuffer:
         group.sort(key=lambda t: t.version)
         del group[:-self.capacity]
         self.num_added += 1
+        self.newest_version = max(self.newest_version, traj.version)
 
     def extend(self, trajs) -> None:
         for traj in trajs:
@@ -91,11 +92,6 @@ class ReplayBuffer:
 
     def __len__(self) -> int:
         return sum(len(g) for g in self.groups.values())
-
-    @property
-    def newest_version(self) -> int:
-        """The newest policy version present in the buffer (-1 when empty)."""
-        return max((g[-1].version for g in self.groups.values() if g), default=-1)
 
     def mark_sync(self) -> None:
         """The trainer has published new weights: the MOP set starts afresh."""
@@ -196,7 +192,7 @@ class ReplayBuffer:
         return {
             "capacity": self.capacity, "mop_prob": self.mop_prob, "inv_temp": self.inv_temp,
             "rng": _rng_state_to_list(self.rng.getstate()),
-            "num_added": self.num_added,
+            "num_added": self.num_added, "newest_version": self.newest_version,
             # vars() not asdict(): asdict deep-copies every token list (70x slower at 6k items)
             "groups": [[pid, [dict(vars(t)) for t in g]] for pid, g in self.groups.items()],
             "fresh": [pid for pid in self.groups if pid in self._fresh],
@@ -208,7 +204,7 @@ class ReplayBuffer:
         self.capacity, self.mop_prob = state["capacity"], state["mop_prob"]
         self.inv_temp = state["inv_temp"]
         self.rng.setstate(_rng_state_from_list(state["rng"]))
-        self.num_added = state["num_added"]
+        self.num_added, self.newest_version = state["num_added"], state["newest_version"]
         self.groups = {_key(pid): [Trajectory(**t) for t in g] for pid, g in state["groups"]}
         self._fresh = {_key(p) for p in state["fresh"]}
         self._mop_drawn = {_key(p) for p in state["mop_drawn"]}

@@ -205,7 +205,7 @@ class Evaluator:
                 batch = examples[i:i + size]
                 outs = engine.generate([self.tokenizer(ex["prompt"])["input_ids"] for ex in batch],
                                        n, greedy=greedy)
-                texts += [[self.tokenizer.decode(t, skip_special_tokens=True) for t, _ in o]
+                texts += [[self.tokenizer.decode(t, skip_special_tokens=True) for t in o]
                           for o in outs]
         finally:
             model.train(was_training)

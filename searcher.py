@@ -11,6 +11,7 @@ Two engines share one small interface (``generate`` token ids, ``load_weights`` 
 written by reading its source; it cannot run on the machines this project is tested on).
 
 Messages on the queue (all plain picklable tuples):
+    ("ready", rank, unix_time)             models loaded, about to generate
     ("batch", rank, trajectories, stats)   stats: timings, version, weight checksum
     ("error", rank, traceback_text)        the searcher then exits with code 1
 """
@@ -30,16 +31,15 @@ from typing import Callable, Iterable, Protocol
 import torch
 
 from buffer import Trajectory
-from tba import TBAConfig, pad_sequences, peak_memory_gb, score_responses, sequence_logprobs
+from tba import TBAConfig, group_logprobs, left_pad, pad_sequences, peak_memory_gb, sequence_logprobs
 
 
 class Engine(Protocol):
     """What a searcher needs from a generation engine."""
 
-    def generate(self, prompts: list[list[int]], n: int,
-                 greedy: bool = False) -> list[list[tuple[list[int], float | None]]]:
-        """For each prompt, n (response token ids with EOS if generated, behaviour log-prob or
-        None); sampled at the config's temperature, or greedy (evaluation)."""
+    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False) -> list[list[list[int]]]:
+        """For each prompt, n responses (token ids, ending in EOS unless cut at max_new_tokens),
+        sampled at the config's temperature, or greedy (evaluation)."""
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy named parameters (HF checkpoint names) into the engine's policy."""
@@ -77,13 +77,9 @@ def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> float:
     return total
 
 
-def cut_at_eos(tokens: list[int], eos_id: int, pad_id: int | None) -> list[int]:
-    """Response up to and including the first EOS; trailing padding removed."""
-    if eos_id in tokens:
-        return tokens[:tokens.index(eos_id) + 1]
-    while tokens and pad_id is not None and tokens[-1] == pad_id:
-        tokens = tokens[:-1]
-    return tokens
+def cut_at_eos(tokens: list[int], eos_id: int) -> list[int]:
+    """The response up to and including its first EOS (the rest is filler)."""
+    return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
 
 
 # ----------------------------------------------------------------------------- engines
@@ -103,22 +99,38 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts, n, greedy=False):
-        # Left-pad the batch (generation appends on the right); each prompt repeated n times.
-        rows = [p for p in prompts for _ in range(n)]
-        width = max(len(p) for p in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for i, p in enumerate(rows):
-            ids[i, width - len(p):] = torch.tensor(p)
-            attn[i, width - len(p):] = 1
-        sampling = ({"do_sample": False} if greedy else
-                    {"do_sample": True, "temperature": self.cfg.temperature, "top_k": 0, "top_p": 1.0})
-        out = self.model.generate(
-            input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **sampling,
-            max_new_tokens=self.cfg.max_new_tokens, eos_token_id=self.eos_id,
-            pad_token_id=self.pad_id)
-        responses = [cut_at_eos(row, self.eos_id, self.pad_id) for row in out[:, width:].tolist()]
-        return [[(r, None) for r in responses[i * n:(i + 1) * n]] for i in range(len(prompts))]
+        """A plain KV-cache decode loop over the transformers model. The left-padded prompts run
+        once (prefill) and their cache is repeated for the n samples of each prompt; then every
+        row samples one token per step from softmax(logits / T) (argmax when greedy) until all
+        rows have emitted EOS or max_new_tokens. transformers' generate() does the same with
+        per-token machinery that costs more than a small model's forward (3x on the tiny preset)."""
+        from transformers import DynamicCache
+
+        ids, attn, positions = left_pad(prompts, self.pad_id, self.device)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=positions,
+                            past_key_values=cache, use_cache=True).logits[:, -1]
+        cache.batch_repeat_interleave(n)
+        logits, attn = logits.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)
+        position = positions[:, -1:].repeat_interleave(n, 0)
+        done = torch.zeros(len(attn), dtype=torch.bool, device=self.device)
+        columns = []
+        for _ in range(self.cfg.max_new_tokens):
+            if greedy:
+                token = logits.argmax(-1)
+            else:
+                probs = torch.softmax(logits.float() / self.cfg.temperature, dim=-1)
+                token = torch.multinomial(probs, 1).squeeze(1)
+            columns.append(token.masked_fill(done, self.eos_id))  # finished rows: filler
+            done |= token == self.eos_id
+            if bool(done.all()):
+                break
+            attn = torch.cat([attn, attn.new_ones(len(attn), 1)], dim=1)
+            position = position + 1
+            logits = self.model(input_ids=token[:, None], attention_mask=attn, position_ids=position,
+                                past_key_values=cache, use_cache=True).logits[:, -1]
+        rows = [cut_at_eos(row, self.eos_id) for row in torch.stack(columns, 1).tolist()]
+        return [rows[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     @torch.no_grad()
     def load_weights(self, named):
@@ -180,7 +192,7 @@ class VLLMEngine:
         # token_ids include the EOS when generation stopped on it (vLLM 0.33.0 appends it
         # before the stop check); logprobs_mode="processed_logprobs" makes cumulative_logprob
         # the log-prob under the tempered sampling distribution, i.e. the behaviour policy.
-        return [[(list(c.token_ids), c.cumulative_logprob) for c in o.outputs] for o in outs]
+        return [[list(c.token_ids) for c in o.outputs] for o in outs]
 
     def load_weights(self, named):
         _vllm_reload_weights(self.llm, list(named))
@@ -298,7 +310,7 @@ class Searcher:
         for idx, samples in zip(batch, outputs):
             ex = self.examples[idx]
             row = []
-            for tokens, _ in samples:
+            for tokens in samples:
                 text = self.tokenizer.decode(tokens, skip_special_tokens=True)
                 value = self.reward_fn(text, ex)
                 if isinstance(value, bool) or not isinstance(value, (int, float)) \
@@ -312,14 +324,18 @@ class Searcher:
 
     @torch.no_grad()
     def reference_logprobs(self, batch: list[int], outputs) -> tuple[list[list[float]], float]:
+        """log p_ref(y|x) of every response, scored as the trainer scores log pi (tba.py step 1d),
+        in forward passes of micro_batch_size sequences (whole prompt groups)."""
         t0 = time.perf_counter()
+        per_pass = max(1, self.cfg.micro_batch_size // self.cfg.num_generations) \
+            if self.cfg.micro_batch_size else len(batch)
         result = []
-        for idx, samples in zip(batch, outputs):  # one forward per prompt group (N sequences)
-            result.append(score_responses(
-                self.ref, [self.prompt_ids[idx]] * len(samples), [s[0] for s in samples],
-                pad_id=self.pad_id, eos_id=self.tokenizer.eos_token_id,
-                temperature=self.cfg.logprob_temperature(), include_eos=self.cfg.eos_in_logprob,
-                device=self.device).tolist())
+        for first in range(0, len(batch), per_pass):
+            result += group_logprobs(
+                self.ref, [self.prompt_ids[i] for i in batch[first:first + per_pass]],
+                outputs[first:first + per_pass], pad_id=self.pad_id,
+                eos_id=self.tokenizer.eos_token_id, temperature=self.cfg.logprob_temperature(),
+                include_eos=self.cfg.eos_in_logprob, device=self.device).tolist()
         return result, time.perf_counter() - t0
 
     def put(self, message) -> float:
@@ -337,6 +353,7 @@ class Searcher:
         return time.perf_counter() - t0
 
     def run(self) -> None:
+        self.put(("ready", self.rank, time.time()))  # models loaded: the run's clock may start
         last = time.perf_counter()
         while not self.should_stop():
             stats = self.maybe_load_weights()
@@ -349,10 +366,9 @@ class Searcher:
             rewards, stats["reward_s"] = self.score(batch, outputs)
             ref_logps, stats["reference_s"] = self.reference_logprobs(batch, outputs)
             trajs = [Trajectory(prompt_id=self.examples[idx]["id"], prompt_tokens=self.prompt_ids[idx],
-                                response_tokens=tokens, reward=r, ref_logprob=ref, version=self.version,
-                                behaviour_logprob=blp)
+                                response_tokens=tokens, reward=r, ref_logprob=ref, version=self.version)
                      for idx, samples, rs, refs in zip(batch, outputs, rewards, ref_logps)
-                     for (tokens, blp), r, ref in zip(samples, rs, refs)]
+                     for tokens, r, ref in zip(samples, rs, refs)]
             now = time.perf_counter()
             stats.update(version=self.version, wall_s=now - last, peak_mem_gb=peak_memory_gb(self.device),
                          tokens=sum(len(t.response_tokens) for t in trajs))

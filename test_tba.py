@@ -27,7 +27,7 @@ from rewards import RewardModelReward, extract_answer, gsm8k_reward
 from run_gsm8k import (build_char_tokenizer, build_tiny_model, load_gsm8k, read_gsm8k_jsonl,
                        synthetic_problems, to_examples)
 from tba import (TBAConfig, beta_at, config_argparser, config_from_args, pad_sequences,
-                 score_responses, sequence_logprobs, tb_log_z, tb_loss, wsd_lr_factor)
+                 group_logprobs, sequence_logprobs, tb_log_z, tb_loss, wsd_lr_factor)
 from trainer import SearcherFailed, Trainer, WeightStore, run_tba
 
 REPO = Path(__file__).resolve().parent
@@ -190,19 +190,43 @@ def test_sequence_logprobs_masks_prompt_and_padding():
         assert got[row].item() == pytest.approx(loop_logprob(model, p, r), abs=1e-5)
 
 
-def test_score_responses_tempers_and_drops_a_final_eos():
+def test_group_logprobs_tempers_and_drops_a_final_eos():
     """The released run's log-probs: of logits / 0.7, the EOS that ends a response not counted
     (a response cut at max_new_tokens has no EOS and loses nothing)."""
     model, eos = CumsumLM(), 10
-    prompts, responses = [[1, 2, 3], [4, 5], [2]], [[6, 7, eos], [8, 9], [eos]]
-    got = score_responses(model, prompts, responses, pad_id=0, eos_id=eos, temperature=0.7,
-                          include_eos=False)
-    want = [loop_logprob(model, p, r[:-1] if r[-1] == eos else r, 0.7)
-            for p, r in zip(prompts, responses)]
-    assert got.tolist() == pytest.approx(want, abs=1e-5) and want[2] == 0.0
-    with_eos = score_responses(model, prompts, responses, pad_id=0, eos_id=eos)
-    assert with_eos.tolist() == pytest.approx([loop_logprob(model, p, r) for p, r in
-                                               zip(prompts, responses)], abs=1e-5)
+    prompts, groups = [[1, 2, 3], [4, 5]], [[[6, 7, eos], [8, 9]], [[eos], [3, eos]]]
+    got = group_logprobs(model, prompts, groups, pad_id=0, eos_id=eos, temperature=0.7,
+                         include_eos=False, share_prompt=False)
+    want = [[loop_logprob(model, p, r[:-1] if r[-1] == eos else r, 0.7) for r in g]
+            for p, g in zip(prompts, groups)]
+    assert got.shape == (2, 2) and got.tolist()[0] == pytest.approx(want[0], abs=1e-5)
+    assert got.tolist()[1] == pytest.approx(want[1], abs=1e-5) and want[1][0] == 0.0
+    with_eos = group_logprobs(model, prompts, groups, pad_id=0, eos_id=eos, share_prompt=False)
+    assert with_eos.flatten().tolist() == pytest.approx(
+        [loop_logprob(model, p, r) for p, g in zip(prompts, groups) for r in g], abs=1e-5)
+
+
+@pytest.mark.parametrize("include_eos", [True, False])
+def test_group_logprobs_shared_prompt_equals_one_forward_per_row(tiny_model_dir, include_eos):
+    """Running each prompt once and sharing its KV cache over its K responses gives the same
+    log-probs and the same gradient as K full forwards (prompts and responses of mixed
+    lengths, an EOS-only response among them)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+    groups = [[[20, 21, 1], [22, 1], [23, 24, 25, 26, 27]], [[1], [28, 29, 30, 1], [31]],
+              [[32, 33], [34, 35, 36, 37, 38, 39, 1], [40, 1]]]
+    results = []
+    for share in (True, False):
+        logp = group_logprobs(model, prompts, groups, pad_id=0, eos_id=1, temperature=0.7,
+                              include_eos=include_eos, share_prompt=share)
+        results.append((logp, torch.autograd.grad(logp.sum(), list(model.parameters()))))
+    (shared, shared_grads), (plain, plain_grads) = results
+    assert shared.shape == (3, 3)
+    torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-4)
+    for a, b in zip(shared_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 # =============================================================================== schedules, config
@@ -571,16 +595,14 @@ def test_system_async_two_searchers(tiny_model_dir, tmp_path):
                 assert r[f"searcher{rank}/checksum"] == pytest.approx(trainer.published[version], rel=1e-12)
                 seen += 1
     assert seen > 0 and len(set(trainer.published.values())) > 3
-    # Staleness. Searchers only ever hold published versions (multiples of k = 2), and every
-    # step trains on the freshest data any searcher has delivered: the lag of its newest group
-    # is the trainer's version minus the newest searcher version. (No barrier bounds the lag
-    # itself: on this CPU the trainer steps ~10x faster than a searcher batch; bench.py and
-    # the metrics report it.)
+    # Staleness. Searchers only ever hold published versions (multiples of k = 2); no step
+    # trains on data fresher than the newest any searcher delivered; and the trainer never ran
+    # more than max_lag = 3 versions ahead of its newest data (it waited instead).
     for r in rows:
         versions = [r[f"searcher{k}/version"] for k in (0, 1) if f"searcher{k}/version" in r]
         assert all(v % 2 == 0 for v in versions)
-        if r["async/mop_frac"] > 0:
-            assert r["async/lag_min"] == r["step"] - 1 - max(versions)
+        assert r["async/lag_min"] >= r["step"] - 1 - max(versions)
+        assert r["step"] - 1 - max(versions) <= cfg.max_lag
     for key in ("loss/tb", "reward/mean", "train/beta", "train/lr", "async/mop_frac",
                 "buffer/prompts", "buffer/trajectories", "async/queue_depth", "time/sample",
                 "time/forward_backward", "time/publish", "time/wait", "throughput/samples_per_s",
@@ -614,6 +636,32 @@ def test_system_searcher_error_fails_trainer_fast_with_traceback(tiny_model_dir,
     assert "searcher" in str(info.value)
     assert time.monotonic() - start < 30  # seconds (model loading included), never the 300 s timeout
     assert child_pids() == [] and multiprocessing.active_children() == []
+
+
+def test_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
+    """Trainer.backward in passes of 1, 2 or all 4 prompt groups (micro_batch_size 3, 7 -> 6,
+    12, 0) gives tb_loss on the whole (P, K) batch and its gradient, as one forward would."""
+    rng = random.Random(0)
+    groups = [[Trajectory(p, [5, 6, 7 + p], [rng.randrange(4, 60) for _ in range(rng.randint(1, 6))] + [1],
+                          float(rng.random() < 0.5), -rng.uniform(5, 20), 0) for _ in range(3)]
+              for p in range(4)]
+    cfg = dict(model=tiny_model_dir, dtype="float32", trainer_device="cpu", searcher_devices="cpu",
+               num_searchers=1, num_generations=3, group_size=3, prompts_per_step=4)
+    trainer = Trainer(TBAConfig(**cfg), torch.device("cpu"), pad_id=0, eos_id=1)
+    flat = [t for g in groups for t in g]
+    logp = group_logprobs(trainer.model, [g[0].prompt_tokens for g in groups],
+                          [[t.response_tokens for t in g] for g in groups], pad_id=0, eos_id=1,
+                          temperature=0.7, include_eos=False, share_prompt=False)
+    want_loss = tb_loss(logp, torch.tensor([t.ref_logprob for t in flat]).view(4, 3),
+                        torch.tensor([t.reward for t in flat]).view(4, 3), 0.05)
+    want_grads = torch.autograd.grad(want_loss, list(trainer.model.parameters()))
+    for size in (3, 7, 12, 0):
+        trainer.cfg = TBAConfig(**cfg, micro_batch_size=size)
+        trainer.model.zero_grad(set_to_none=True)
+        loss, log_z, _ = trainer.backward(groups, 0.05)
+        assert loss == pytest.approx(want_loss.item(), rel=1e-5) and len(log_z) == 4
+        for want, p in zip(want_grads, trainer.model.parameters()):
+            torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("fp32_master", [False, True])
@@ -686,7 +734,7 @@ def test_cuda_ipc_weight_store_and_hf_engine(tiny_model_dir):
     engine = HFEngine(cfg, torch.device("cuda:0"), eos_id=1, pad_id=0)
     outs = engine.generate([[5, 6, 7], [8, 9]], n=2)
     assert len(outs) == 2 and all(len(o) == 2 for o in outs)
-    assert all(len(tokens) <= 8 for o in outs for tokens, _ in o)
+    assert all(len(tokens) <= 8 for o in outs for tokens in o)
 
 
 # =============================================================================== reliability

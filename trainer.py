@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from buffer import ReplayBuffer, Trajectory
 from searcher import load_causal_lm, pad_token_id, searcher_main, weights_checksum
-from tba import (TBAConfig, beta_at, pad_sequences, peak_memory_gb, score_responses,
+from tba import (TBAConfig, beta_at, group_logprobs, pad_sequences, peak_memory_gb,
                  sequence_logprobs, tb_log_z, tb_loss, wsd_lr_factor)
 
 
@@ -172,12 +172,40 @@ class Trainer:
         return self.buffer.sample(cfg.prompts_per_step, cfg.group_size)
 
     def ready(self) -> bool:
-        """Whether a step can run: the initial fill (async) or data of this version (sync)."""
+        """Whether a step can run: the initial fill is in and the newest data is at most max_lag
+        versions old (async), or P prompts hold data of this version (synchronous)."""
         cfg = self.cfg
         if cfg.synchronous:
             return self.buffer.count_version(self.step) >= cfg.prompts_per_step
         return (len(self.buffer) >= max(cfg.initial_samples, 1)
-                and len(self.buffer.groups) >= cfg.prompts_per_step)
+                and len(self.buffer.groups) >= cfg.prompts_per_step
+                and (cfg.max_lag < 0 or self.buffer.newest_version >= self.step - cfg.max_lag))
+
+    def backward(self, groups: list[list[Trajectory]], beta: float) -> tuple[float, list[float], float]:
+        """Accumulate the gradient of tb_loss on the (P, K) batch ``groups`` into ``.grad``, in
+        forward/backward passes of micro_batch_size sequences rounded down to whole prompt groups.
+        log Z^ is per prompt, so the passes' losses weighted by their share of the P groups sum
+        to tb_loss on the whole batch, exactly. Returns (loss, log Z^ per prompt, mean log pi)."""
+        cfg = self.cfg
+        per_pass = max(1, cfg.micro_batch_size // cfg.group_size) if cfg.micro_batch_size else len(groups)
+        loss_sum, log_z, logp_sum = 0.0, [], 0.0
+        for first in range(0, len(groups), per_pass):
+            chunk = groups[first:first + per_pass]
+            with self.autocast:
+                logp = group_logprobs(
+                    self.model, [g[0].prompt_tokens for g in chunk],
+                    [[t.response_tokens for t in g] for g in chunk], pad_id=self.pad_id,
+                    eos_id=self.eos_id, temperature=cfg.logprob_temperature(),
+                    include_eos=cfg.eos_in_logprob, share_prompt=not cfg.gradient_checkpointing,
+                    device=self.device)
+            ref = torch.tensor([[t.ref_logprob for t in g] for g in chunk], device=self.device)
+            reward = torch.tensor([[t.reward for t in g] for g in chunk], device=self.device)
+            loss = tb_loss(logp, ref, reward, beta) * (len(chunk) / len(groups))
+            loss.backward()
+            loss_sum += loss.item()
+            log_z += tb_log_z(logp, ref, reward, beta).tolist()
+            logp_sum += logp.detach().sum().item()
+        return loss_sum, log_z, logp_sum / sum(len(g) for g in groups)
 
     def train_step(self) -> dict:
         """One TBA step on P groups of K; returns the step's metrics."""
@@ -187,22 +215,7 @@ class Trainer:
         beta = beta_at(self.step, cfg.beta_start, cfg.beta_end, cfg.beta_anneal_steps)
         t1 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        losses, log_zs, all_logp = [], [], []
-        for group in groups:
-            # One prompt group per forward/backward: log Z is per prompt, so summing the group
-            # losses / P equals tb_loss on the (P, K) batch while holding only K sequences.
-            with self.autocast:
-                logp = score_responses(
-                    self.model, [t.prompt_tokens for t in group], [t.response_tokens for t in group],
-                    pad_id=self.pad_id, eos_id=self.eos_id, temperature=cfg.logprob_temperature(),
-                    include_eos=cfg.eos_in_logprob, device=self.device).view(1, -1)
-            ref = torch.tensor([[t.ref_logprob for t in group]], dtype=torch.float32, device=self.device)
-            reward = torch.tensor([[t.reward for t in group]], dtype=torch.float32, device=self.device)
-            loss = tb_loss(logp, ref, reward, beta)
-            (loss / len(groups)).backward()
-            losses.append(loss.item())
-            log_zs.append(tb_log_z(logp, ref, reward, beta).item())
-            all_logp.append(logp.detach().mean().item())
+        loss, log_z, logp_mean = self.backward(groups, beta)
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if cfg.max_grad_norm > 0:
@@ -218,8 +231,7 @@ class Trainer:
         lags = [self.step - 1 - t.version for t in trajs]
         tokens = sum(len(t.response_tokens) for t in trajs)
         return {
-            "loss/tb": sum(losses) / len(losses), "loss/logz_mean": sum(log_zs) / len(log_zs),
-            "policy/logp_mean": sum(all_logp) / len(all_logp),
+            "loss/tb": loss, "loss/logz_mean": sum(log_z) / len(log_z), "policy/logp_mean": logp_mean,
             "reward/mean": sum(t.reward for t in trajs) / len(trajs),
             "train/beta": beta, "train/lr": lr, "train/grad_norm": grad_norm.item(),
             "async/lag_mean": sum(lags) / len(lags), "async/lag_max": float(max(lags)),
@@ -287,6 +299,7 @@ class SearcherPool:
         self.procs: list = [None] * cfg.num_searchers
         self.restarts = 0
         self.last_error: dict[int, str] = {}
+        self.first_ready_at: float | None = None  # time.time() when a searcher could first generate
 
     def start(self, rank: int | None = None) -> None:
         for r in ([rank] if rank is not None else range(self.cfg.num_searchers)):
@@ -332,6 +345,8 @@ class SearcherPool:
             if msg[0] == "error":
                 self.last_error[msg[1]] = msg[2]
                 self._failed(msg[1], "raised")
+            elif msg[0] == "ready":
+                self.first_ready_at = self.first_ready_at or msg[2]
             else:
                 batches.append(msg)
         self.check_alive()
@@ -361,6 +376,38 @@ class SearcherPool:
                 p.join(timeout=3.0)
         self.queue.cancel_join_thread()
         self.queue.close()
+
+
+class SearcherStats:
+    """What the searchers report, as metrics: per-step means of the timings of the batches that
+    arrived during the step (so present only when ``async/batches_in`` > 0), and per searcher
+    its busy fraction, the version it holds, its peak memory and weight checksum."""
+
+    def __init__(self):
+        self.arrived: list[dict] = []  # batch stats since the last step_metrics()
+        self.latest: dict[int, dict] = {}  # rank -> stats of its newest batch
+        self.busy_wall: dict[int, list[float]] = {}  # rank -> [busy seconds, wall seconds]
+
+    def add(self, rank: int, stats: dict) -> None:
+        self.arrived.append(stats)
+        self.latest[rank] = stats
+        busy, wall = self.busy_wall.get(rank, [0.0, 0.0])
+        self.busy_wall[rank] = [busy + stats["busy_s"], wall + stats["wall_s"]]
+
+    def step_metrics(self) -> dict[str, float]:
+        out = {"async/batches_in": float(len(self.arrived))}
+        if self.arrived:
+            for key in ("generate", "reward", "reference", "load"):
+                out[f"time/{key}"] = sum(s[f"{key}_s"] for s in self.arrived) / len(self.arrived)
+        self.arrived = []
+        for rank, (busy, wall) in sorted(self.busy_wall.items()):
+            latest = self.latest[rank]
+            out[f"searcher{rank}/busy_frac"] = busy / wall if wall > 0 else 0.0
+            out[f"searcher{rank}/version"] = float(latest["version"])
+            out[f"searcher{rank}/peak_mem_gb"] = latest["peak_mem_gb"]
+            if latest.get("checksum") is not None:
+                out[f"searcher{rank}/checksum"] = latest["checksum"]
+        return out
 
 
 # ----------------------------------------------------------------------------- the launcher
@@ -407,8 +454,7 @@ def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
     store = make_weight_store(cfg, trainer.model, device)
     trainer.publish(store)  # the current weights, before any searcher starts
     pool = SearcherPool(cfg, examples, reward_fn, store, probe, log=tqdm.write)
-    searcher_stats: dict[int, dict] = {}
-    searcher_totals: dict[int, list[float]] = {}
+    stats = SearcherStats()
     # Ctrl-C and SIGTERM both end the run cleanly (checkpoint, children joined). SIGINT is set
     # explicitly too: a process started in the background of a script inherits it ignored.
     old_handlers = {sig: signal.signal(sig, _raise_keyboard_interrupt)
@@ -416,57 +462,47 @@ def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
     bar = tqdm(total=cfg.total_steps, initial=trainer.step, desc="TBA", disable=not show_progress,
                dynamic_ncols=True)
     try:
-        pool.start()
-        step_batches: list[dict] = []
+        pool.start()  # step 1 runs in the searcher processes from here on
 
         def ingest(batches) -> None:
-            for _, rank, trajs, stats in batches:
+            for _, rank, trajs, batch_stats in batches:
                 trainer.buffer.extend(trajs)
-                searcher_stats.setdefault(rank, {}).update(stats)
-                busy, wall = searcher_totals.get(rank, [0.0, 0.0])
-                searcher_totals[rank] = [busy + stats["busy_s"], wall + stats["wall_s"]]
-                step_batches.append(stats)
+                stats.add(rank, batch_stats)
 
         with open(metrics_path, "a") as metrics_file:
-            start_time = time.time()
             while trainer.step < cfg.total_steps:
+                # 2. Drain the queue into the buffer. Wait only for the initial fill, for data
+                #    no staler than max_lag, or (synchronous) for this version's data.
                 t0 = time.perf_counter()
                 ingest(pool.poll())
                 deadline = time.monotonic() + cfg.timeout_s
-                while not trainer.ready():  # the initial fill (async) or this version's data (sync)
+                while not trainer.ready():
                     if time.monotonic() > deadline:
                         raise TimeoutError(
                             f"trainer waited {cfg.timeout_s}s for data at step {trainer.step}: "
-                            f"buffer holds {len(trainer.buffer)} trajectories")
+                            f"buffer holds {len(trainer.buffer)} trajectories, newest of version "
+                            f"{trainer.buffer.newest_version}")
                     ingest(pool.poll(timeout=0.2))
                 wait_s = time.perf_counter() - t0
+                # 3-4. Sample P groups of K, recompute log pi, TB loss, AdamW step.
                 metrics = trainer.train_step()
+                # 5. Publish the weights every k steps (every step when synchronous).
                 publish_s = 0.0
                 if cfg.synchronous or trainer.step % cfg.sync_every == 0:
                     publish_s = trainer.publish(store)
-                metrics.update(trainer.buffer.stats(trainer.step))
-                metrics.update({"time/wait": wait_s, "time/publish": publish_s,
-                                "async/queue_depth": float(pool.depth()),
-                                "async/searcher_restarts": float(pool.restarts),
-                                "async/batches_in": float(len(step_batches)),
-                                "memory/trainer_peak_gb": peak_memory_gb(device),
-                                "time/step": time.perf_counter() - t0})
-                # Searcher timings are means over the batches that arrived during this step, so
-                # they are present only on steps with async/batches_in > 0 (no stale repeats).
-                if step_batches:
-                    for key in ("generate_s", "reward_s", "reference_s", "load_s"):
-                        metrics[f"time/{key[:-2]}"] = sum(s[key] for s in step_batches) / len(step_batches)
-                step_batches.clear()
-                for rank, (busy, wall) in sorted(searcher_totals.items()):
-                    metrics[f"searcher{rank}/busy_frac"] = busy / wall if wall > 0 else 0.0
-                    metrics[f"searcher{rank}/version"] = float(searcher_stats[rank]["version"])
-                    metrics[f"searcher{rank}/peak_mem_gb"] = searcher_stats[rank]["peak_mem_gb"]
-                    if searcher_stats[rank].get("checksum") is not None:
-                        metrics[f"searcher{rank}/checksum"] = searcher_stats[rank]["checksum"]
+                # Seconds since the first searcher was ready to generate: process start-up
+                # (imports, model loading) is not training time, the initial fill is.
+                metrics = {"step": trainer.step,
+                           "wall_time": time.time() - (pool.first_ready_at or time.time()),
+                           **metrics, **trainer.buffer.stats(trainer.step), **stats.step_metrics(),
+                           "time/wait": wait_s, "time/publish": publish_s,
+                           "async/queue_depth": float(pool.depth()),
+                           "async/searcher_restarts": float(pool.restarts),
+                           "memory/trainer_peak_gb": peak_memory_gb(device),
+                           "time/step": time.perf_counter() - t0}
                 if on_step is not None:
                     on_step(trainer, metrics)
-                record = {"step": trainer.step, "wall_time": time.time() - start_time, **metrics}
-                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.write(json.dumps(metrics) + "\n")
                 metrics_file.flush()
                 if trainer.step % ckpt_every == 0:
                     save_checkpoint(trainer, cfg, ckpt_path)
