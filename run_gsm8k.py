@@ -57,7 +57,7 @@ TINY_PRESET: dict = dict(
     timeout_s=300.0, torch_threads=1,  # tiny ops: a 2nd thread only spins (34x slower if a core is busy)
 )
 TINY_DATA = dict(train=4000, test=200, digits=2)  # synthetic problems (train / held-out test)
-TINY_MODEL = dict(hidden=64, layers=2, heads=4)  # tiny Llama over the char vocabulary
+TINY_MODEL = dict(hidden=64, layers=2, heads=2)  # tiny Llama over the char vocabulary
 # Supervised warm start: stop once greedy accuracy on a validation set (not the test set)
 # reaches `target`, so RL starts from a model that is clearly imperfect but not hopeless.
 # Addition is learned abruptly (0.4 -> 0.8 within 50 steps), so validation gets frequent near it.
@@ -94,8 +94,10 @@ def synthetic_problems(count: int, seed: int, digits: int = 2) -> list[dict]:
     return rows
 
 
-def build_tiny_model(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0):
-    """A tiny Llama-architecture causal LM from a transformers config (no download)."""
+def build_tiny_model(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 2, seed: int = 0,
+                     tied: bool = True):
+    """A tiny Llama-architecture causal LM from a transformers config (no download). vLLM's CPU
+    attention needs a head dimension hidden / heads of at least 32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -103,7 +105,7 @@ def build_tiny_model(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 
                          num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=heads, max_position_embeddings=256,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tied)
     return LlamaForCausalLM(config)
 
 

