@@ -1087,24 +1087,29 @@ def test_sigint_stops_every_vllm_process(vllm_tied_model_dir, tmp_path):
 # =============================================================================== bench smoke test
 
 def test_bench_quick_writes_every_key(tmp_path):
-    """bench.py --quick end to end (~75 s on 2 cores): it exits 0 and writes every key.
-    Timing goals are not asserted here; bench.py reports them as measured ratios."""
+    """bench.py --quick end to end: it exits 0 and writes every key. Timing goals are not
+    asserted here; bench.py reports them as measured times and ratios."""
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "bench.py", "--quick", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=400)
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
-    ratios = ("async_over_sync", "async_over_sync_2_searchers", "publish_over_copy",
-              "tb_step_over_bare_step", "searcher_busy_fraction")
-    for key in ratios + ("scaling", "gpu", "machine", "goals_met", "total_runtime_s"):
+    for key in ("machine", "time_to_accuracy", "runs", "engines", "publish", "plot",
+                "parallel_speedup_start", "parallel_speedup_end", "total_runtime_s"):
         assert key in res, key
-    for key in ratios:
-        assert math.isfinite(res[key]) and res[key] > 0, (key, res[key])
-    assert {r["mode"] for r in res["scaling"]} == {"sync", "async"}
-    assert all(r["steps_per_s"] > 0 for r in res["scaling"])
-    assert {"cpu_count", "torch", "platform", "date"} <= set(res["machine"])
-    assert isinstance(res["gpu"], dict) or res["gpu"].startswith("not measured")
-    assert "async_over_sync" in proc.stdout  # the printed table
+    tta = res["time_to_accuracy"]
+    assert {"async", "sync", "sync_over_async", "goals"} <= set(tta)
+    assert {r["mode"] for r in res["runs"]} == {"async", "sync"}
+    for run in res["runs"]:
+        assert run["curve"] and run["steps_per_s"] > 0 and run["samples_per_s"] > 0
+        assert all(0 <= acc <= 1 for _, _, acc in run["curve"])
+    assert tta["sync"]["0.9"]["median"] > 0 and math.isfinite(tta["sync_over_async"])
+    assert math.isfinite(res["publish"]["publish_over_copy"]) and res["publish"]["publish_over_copy"] > 0
+    engines = res["engines"]
+    if importlib.util.find_spec("vllm") is not None:
+        assert engines["vllm_tokens_per_s"] > 0 and engines["hf_tokens_per_s"] > 0
+        assert engines["vllm_load_s"] > 0 and engines["hf_load_s"] > 0
+    assert "sync / async time to 0.9" in proc.stdout  # the printed report
 
 
 # =============================================================================== the main job, end to end
