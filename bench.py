@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -39,7 +40,7 @@ import torch.multiprocessing as mp
 from rewards import gsm8k_reward
 from run_gsm8k import (TINY_DATA, TINY_PRESET, TINY_WARM_START, Evaluator, build_char_tokenizer,
                        build_tiny_model, synthetic_problems, tiny_warm_start, to_examples)
-from searcher import HFEngine, VLLMEngine, vllm_available
+from searcher import HFEngine, VLLMEngine
 from tba import TBAConfig
 from trainer import WeightStore, run_tba
 
@@ -139,7 +140,7 @@ def timed_run(model_dir: str, synchronous: bool, seed: int, budget_s: float, ove
     return {"mode": "sync" if synchronous else "async", "seed": seed, "curve": curve,
             "time_to": {str(th): next((w for w, _, a in curve if a >= th), None) for th in THRESHOLDS},
             "steps_per_s": last["step"] / last["wall_time"],
-            "samples_per_s": last["step"] * cfg.prompts_per_step * cfg.group_size / last["wall_time"],
+            "samples_per_s": last["step"] * cfg.prompts_per_step * cfg.responses_per_prompt / last["wall_time"],
             "lag_mean": statistics.fmean(r["async/lag_mean"] for r in rows),
             "mop_frac": statistics.fmean(r["async/mop_frac"] for r in rows)}
 
@@ -193,7 +194,7 @@ def plot(runs: list[dict], path: Path) -> str | None:
 
 def bench_engines(root: str, quick: bool) -> dict | str:
     """Generation tokens/s and weight-load seconds, vLLM against transformers, one thread."""
-    if not vllm_available():
+    if importlib.util.find_spec("vllm") is None:
         return "not measured: vllm is not installed (pip install -r requirements-test.txt)"
     torch.set_num_threads(1)
     tok = build_char_tokenizer()
@@ -205,7 +206,7 @@ def bench_engines(root: str, quick: bool) -> dict | str:
     new_tokens = 16 if quick else 128
     cfg = TBAConfig(model=str(path), dtype="float32", num_searchers=1, searcher_devices="cpu",
                     trainer_device="cpu", max_new_tokens=new_tokens, temperature=0.7,
-                    num_generations=8, group_size=8, searcher_batch_prompts=8, eval_batch_size=64)
+                    num_generations=8, responses_per_prompt=8, searcher_batch_prompts=8, eval_batch_size=64)
     prompts = [tok(ex["prompt"])["input_ids"] for ex in to_examples(synthetic_problems(8, seed=4))]
     named = list(model.named_parameters())
     out = {"params_M": sum(p.numel() for p in model.parameters()) / 1e6, "new_tokens": new_tokens,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass
 from typing import Hashable
 
@@ -58,6 +59,7 @@ class ReplayBuffer:
         self.groups: dict[Hashable, list[Trajectory]] = {}
         self.num_added = 0  # every trajectory ever added, duplicates included
         self.newest_version = -1  # the newest policy version among the items (never decreases)
+        self._per_version: Counter[int] = Counter()  # items held per policy version
         self._fresh: set[Hashable] = set()  # prompts refreshed since the latest mark_sync()
         self._mop_drawn: set[Hashable] = set()  # drawn as MOP in this cycle of the fresh set
         self._any_drawn: set[Hashable] = set()  # drawn off-policy in this cycle of all prompts
@@ -75,12 +77,16 @@ class ReplayBuffer:
         if group:  # one prompt-token list per prompt, not one per trajectory (bounded memory)
             traj.prompt_tokens = group[0].prompt_tokens
         key = tuple(traj.response_tokens)
-        group[:] = [t for t in group if tuple(t.response_tokens) != key]
-        group.append(traj)
+        gone = [t for t in group if tuple(t.response_tokens) == key]
+        group[:] = [t for t in group if tuple(t.response_tokens) != key] + [traj]
         # Keep the group ordered by version so "oldest" means oldest policy, even when two
         # searchers at different versions deliver out of order; sort is stable for ties.
         group.sort(key=lambda t: t.version)
+        gone += group[:-self.capacity]
         del group[:-self.capacity]
+        for t in gone:
+            self._per_version[t.version] -= 1
+        self._per_version[traj.version] += 1
         self.num_added += 1
         self.newest_version = max(self.newest_version, traj.version)
 
@@ -91,7 +97,7 @@ class ReplayBuffer:
     # ------------------------------------------------------------------ sampling
 
     def __len__(self) -> int:
-        return sum(len(g) for g in self.groups.values())
+        return sum(self._per_version.values())
 
     def mark_sync(self) -> None:
         """The trainer has published new weights: the MOP set starts afresh."""
@@ -116,31 +122,38 @@ class ReplayBuffer:
         drawn.add(pid)
         return pid
 
-    def _draw_items(self, items: list[Trajectory], k: int, inv_temp: float) -> list[Trajectory]:
-        """K items: by softmax(reward * inv_temp) without replacement (Gumbel top-k), or with
-        replacement when fewer than K exist."""
-        if len(items) < k:
+    def _draw_items(self, items: list[Trajectory], count: int, inv_temp: float) -> list[Trajectory]:
+        """``count`` items by softmax(reward * inv_temp): without replacement (Gumbel top-k), or
+        with replacement when fewer exist."""
+        if len(items) < count:
             if inv_temp == 0:
-                return [self.rng.choice(items) for _ in range(k)]
+                return [self.rng.choice(items) for _ in range(count)]
             top = max(t.reward for t in items)
             weights = [math.exp(inv_temp * (t.reward - top)) for t in items]
-            return self.rng.choices(items, weights=weights, k=k)
+            return self.rng.choices(items, weights=weights, k=count)
         # Gumbel-max trick: adding Gumbel noise to the logits and taking the top-k is sampling
         # k items without replacement from softmax(logits); no exp, so no underflow.
         keys = [inv_temp * t.reward - math.log(-math.log(self.rng.random() or 1e-300))
                 for t in items]
         order = sorted(range(len(items)), key=keys.__getitem__, reverse=True)
-        return [items[i] for i in order[:k]]
+        return [items[i] for i in order[:count]]
 
-    def sample(self, num_prompts: int, k: int) -> tuple[list[list[Trajectory]], list[bool]]:
-        """P groups of exactly K trajectories, and for each group whether it was MOP.
+    def sample(self, num_prompts: int, per_prompt: int, version: int | None = None
+               ) -> tuple[list[list[Trajectory]], list[bool]]:
+        """P groups of exactly K trajectories, and for each group whether it is most-on-policy.
+        With ``version`` (the synchronous baseline), P prompts holding items of that version
+        and K of those items each, all on-policy.
 
-        Raises ValueError when the buffer holds fewer than ``num_prompts`` prompts.
+        Raises ValueError when fewer than ``num_prompts`` prompts are eligible.
         """
-        everyone = list(self.groups)
+        everyone = [pid for pid, g in self.groups.items()
+                    if version is None or any(t.version == version for t in g)]
         if len(everyone) < num_prompts:
-            raise ValueError(f"ReplayBuffer.sample: {num_prompts} prompts asked, "
-                             f"{len(everyone)} in the buffer")
+            raise ValueError(f"ReplayBuffer.sample: {num_prompts} prompts asked, {len(everyone)} in the "
+                             f"buffer" + ("" if version is None else f" with items of version {version}"))
+        if version is not None:
+            return [self._draw_items([t for t in self.groups[pid] if t.version == version], per_prompt, 0.0)
+                    for pid in self.rng.sample(everyone, num_prompts)], [True] * num_prompts
         mop = self.mop_prompts(num_prompts)
         batch, is_mop, chosen = [], [], set()
         for _ in range(num_prompts):
@@ -148,26 +161,14 @@ class ReplayBuffer:
                 pid = self._draw_prompt(mop, self._mop_drawn, chosen)
                 group = self.groups[pid]
                 batch.append(self._draw_items([t for t in group if t.version == group[-1].version],
-                                              k, 0.0))
+                                              per_prompt, 0.0))
                 is_mop.append(True)
             else:
                 pid = self._draw_prompt(everyone, self._any_drawn, chosen)
-                batch.append(self._draw_items(self.groups[pid], k, self.inv_temp))
+                batch.append(self._draw_items(self.groups[pid], per_prompt, self.inv_temp))
                 is_mop.append(False)
             chosen.add(pid)
         return batch, is_mop
-
-    def sample_version(self, num_prompts: int, k: int, version: int) -> list[list[Trajectory]]:
-        """P groups of K items all generated by ``version`` (the synchronous, on-policy baseline).
-
-        Raises ValueError when fewer than ``num_prompts`` prompts have items of that version."""
-        ready = [pid for pid, g in self.groups.items() if any(t.version == version for t in g)]
-        if len(ready) < num_prompts:
-            raise ValueError(f"ReplayBuffer.sample_version: {num_prompts} prompts asked, "
-                             f"{len(ready)} have items of version {version}")
-        pids = self.rng.sample(ready, num_prompts)
-        return [self._draw_items([t for t in self.groups[pid] if t.version == version], k, 0.0)
-                for pid in pids]
 
     def count_version(self, version: int) -> int:
         """Prompts holding at least one item of ``version``."""
@@ -176,14 +177,13 @@ class ReplayBuffer:
     # ------------------------------------------------------------------ stats and state
 
     def stats(self, current_version: int | None = None) -> dict[str, float]:
-        """Sizes, and with ``current_version`` the mean lag of stored items."""
-        items = [t for g in self.groups.values() for t in g]
-        newest = self.newest_version
-        out = {"buffer/prompts": float(len(self.groups)), "buffer/trajectories": float(len(items)),
-               "buffer/frac_newest": (sum(t.version == newest for t in items) / len(items))
-               if items else 0.0}
-        if current_version is not None and items:
-            out["buffer/lag_mean"] = sum(current_version - t.version for t in items) / len(items)
+        """Sizes, and with ``current_version`` the mean lag of stored items (from per-version
+        counts: a step should not cost a pass over every stored trajectory)."""
+        total = len(self)
+        out = {"buffer/prompts": float(len(self.groups)), "buffer/trajectories": float(total),
+               "buffer/frac_newest": self._per_version[self.newest_version] / total if total else 0.0}
+        if current_version is not None and total:
+            out["buffer/lag_mean"] = sum((current_version - v) * n for v, n in self._per_version.items()) / total
         return out
 
     def state_dict(self) -> dict:
@@ -206,6 +206,7 @@ class ReplayBuffer:
         self.rng.setstate(_rng_state_from_list(state["rng"]))
         self.num_added, self.newest_version = state["num_added"], state["newest_version"]
         self.groups = {_key(pid): [Trajectory(**t) for t in g] for pid, g in state["groups"]}
+        self._per_version = Counter(t.version for g in self.groups.values() for t in g)
         self._fresh = {_key(p) for p in state["fresh"]}
         self._mop_drawn = {_key(p) for p in state["mop_drawn"]}
         self._any_drawn = {_key(p) for p in state["any_drawn"]}

