@@ -17,6 +17,8 @@ This file imports nothing from the project (standard library only), so it can be
 * Prompts are drawn without replacement, cycling through each pool before repeating (as the
   official code does), so a step never trains twice on one prompt.
 * Groups with fewer than K eligible items are sampled with replacement (official behaviour).
+* ``sample(P, K, version=v)`` is the synchronous baseline's: P prompts with items of version v,
+  K of those items each.
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ class Evaluator:
         size = len(examples) if self.vllm is not None else self.cfg.eval_batch_size
         texts = []
         try:
-            for i in tqdm(range(0, len(examples), size), desc=desc, leave=False, dynamic_ncols=True):
+            for i in tqdm(range(0, len(examples), size), desc=desc, leave=False, disable=None):  # None: TTY only
                 batch = examples[i:i + size]
                 outs = engine.generate([self.tokenizer(ex["prompt"])["input_ids"] for ex in batch],
                                        n, greedy=greedy)
