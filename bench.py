@@ -1,7 +1,7 @@
 """Benchmarks of the TBA system: times and ratios measured in one run, on this machine.
 
-    python bench.py --out bench.json            # ~15 min on 2 cores (3 seeds per mode)
-    python bench.py --seeds 5 --out bench.json  # the README's figures
+    python bench.py --out bench.json                          # ~20 min on 2 cores (3 seeds per mode)
+    python bench.py --seeds 5 --budget 180 --out bench.json   # the README's figures, ~41 min
     python bench.py --quick --out q.json        # ~2 min smoke test, same keys
 
 time_to_accuracy   The tiny task (run_gsm8k's tiny preset) from one supervised warm start:
@@ -10,8 +10,8 @@ time_to_accuracy   The tiny task (run_gsm8k's tiny preset) from one supervised w
                    of the same code, seeds interleaved so that drift in the machine hits both.
                    The clock starts when the first searcher is ready to generate; weights are
                    snapshotted every second and evaluated after the run, so evaluation costs no
-                   training time. Also steps/s, samples/s and lag, and a PNG of accuracy against
-                   wall-clock (with matplotlib installed).
+                   training time. Also the mean accuracy per 30-s window, steps/s, samples/s and
+                   lag, and a PNG of accuracy against wall-clock (with matplotlib installed).
 engines            vLLM against the transformers engine on this CPU, on a Llama of tens of
                    millions of parameters with 128-token responses: tokens/s and weight-load time.
 publish            a trainer publish plus a searcher's load (another process, shared memory or
@@ -45,6 +45,7 @@ from tba import TBAConfig
 from trainer import WeightStore, run_tba
 
 THRESHOLDS = (0.85, 0.90, 0.95)
+WINDOW_S = 30  # accuracy averaged over windows of this many seconds
 TARGET = 0.90  # the goals: async reaches it in at most half the sync time, and in under 30 s
 LLAMA_110M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                   num_attention_heads=12, num_key_value_heads=12, vocab_size=32000,
@@ -92,7 +93,8 @@ def machine_info() -> dict:
     import transformers
     return {"cpu_count": os.cpu_count(), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "cuda": torch.cuda.is_available(),
+            "platform": platform.platform(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
@@ -130,7 +132,8 @@ def timed_run(model_dir: str, synchronous: bool, seed: int, budget_s: float, ove
         except _Enough:
             pass
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(cfg.trainer_device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     evaluator = Evaluator(cfg, tokenizer)
     curve = []
     for wall, step, state in snapshots:
@@ -160,6 +163,12 @@ def summarize(runs: list[dict], budget_s: float) -> dict:
                        "reached": len(reached)}
         for key in ("steps_per_s", "samples_per_s", "lag_mean", "mop_frac"):
             row[key] = statistics.median(r[key] for r in mine)
+        # One crossing of a noisy curve is noisy: also the mean accuracy over each 30-s window
+        # (about 30 snapshots), median over seeds.
+        row["window_accuracy"] = {
+            f"{lo}-{lo + WINDOW_S}": statistics.median(statistics.fmean(
+                [a for w, _, a in r["curve"] if lo <= w < lo + WINDOW_S] or [float("nan")]) for r in mine)
+            for lo in range(0, int(budget_s) - WINDOW_S + 1, WINDOW_S)}
         out[mode] = row
     target = str(TARGET)
     out["sync_over_async"] = out["sync"][target]["median"] / out["async"][target]["median"]
@@ -267,7 +276,7 @@ def bench_publish(reps: int, device: str = "cpu", model_kwargs: dict = LLAMA_110
     proc.start()
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     src, dst = store.flat.clone(), torch.empty_like(store.flat)
-    ratios = []
+    ratios, seconds = [], []
     try:
         assert res_q.get(timeout=300) == "ready"
         for rep in range(reps + 1):  # rep 0 warms up: first touches of the shared pages
@@ -283,13 +292,15 @@ def bench_publish(reps: int, device: str = "cpu", model_kwargs: dict = LLAMA_110
             sync()
             if rep:
                 ratios.append((publish_s + load_s) / (2 * (time.perf_counter() - t0)))
+                seconds.append(publish_s + load_s)
         cmd_q.put(None)
         proc.join(timeout=60)
     finally:
         if proc.is_alive():
             proc.kill()
             proc.join()
-    return {"publish_over_copy": statistics.median(ratios), "params_M": store.flat.numel() / 1e6,
+    return {"publish_over_copy": statistics.median(ratios), "publish_and_load_s": statistics.median(seconds),
+            "params_M": store.flat.numel() / 1e6,
             "load_in": f"another process via {'CUDA IPC' if device != 'cpu' else 'shared memory'}"}
 
 
@@ -306,6 +317,11 @@ def print_report(res: dict) -> None:
         cells = "".join(f"{row[str(th)]['median']:>8.1f} [{row[str(th)]['min']:.0f}-{row[str(th)]['max']:.0f}]"
                         f" {row[str(th)]['reached']}/{row['seeds']}" for th in THRESHOLDS)
         print(f"{mode:<7}{cells}{row['steps_per_s']:>9.2f}{row['samples_per_s']:>11.0f}{row['lag_mean']:>6.1f}")
+    windows = list(tta["async"]["window_accuracy"])
+    print("mean greedy accuracy per window of seconds (median over seeds)\n" + f"{'mode':<7}"
+          + "".join(f"{w:>9}" for w in windows))
+    for mode in ("async", "sync"):
+        print(f"{mode:<7}" + "".join(f"{tta[mode]['window_accuracy'][w]:>9.3f}" for w in windows))
     print(f"sync / async time to {TARGET}: {tta['sync_over_async']:.2f}; goals: {json.dumps(tta['goals'])}")
     print(f"two processes over one: {res['parallel_speedup_start']:.2f} at the start, "
           f"{res['parallel_speedup_end']:.2f} at the end (2.0 = two idle cores)")

@@ -726,7 +726,9 @@ def test_weight_store_seqlock_round_trip_cpu():
 def _cuda_reader(store, out_queue):
     target = {}
     version, _ = store.load_into(lambda named: target.update({n: t.clone() for n, t in named}))
-    out_queue.put((version, {n: t.cpu() for n, t in target.items()}))
+    # numpy arrays pickle by value: a torch tensor would be passed as a file descriptor that
+    # this process, exiting right after, could no longer hand over
+    out_queue.put((version, {n: t.float().cpu().numpy() for n, t in target.items()}))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: CUDA-IPC weight store "
@@ -743,7 +745,7 @@ def test_cuda_ipc_weight_store_and_hf_engine(tiny_model_dir):
     version, got = q.get(timeout=120)
     proc.join(timeout=30)
     assert version == 3 and proc.exitcode == 0
-    assert torch.equal(got["weight"], model.weight.detach().to(torch.bfloat16).cpu())
+    assert torch.equal(torch.from_numpy(got["weight"]), model.weight.detach().to(torch.bfloat16).float().cpu())
 
     cfg = TBAConfig(model=tiny_model_dir, dtype="float32", num_searchers=1, searcher_devices="cuda:0",
                     max_new_tokens=8, num_generations=2, responses_per_prompt=2)
@@ -1102,6 +1104,7 @@ def test_bench_quick_writes_every_key(tmp_path):
         assert key in res, key
     tta = res["time_to_accuracy"]
     assert {"async", "sync", "sync_over_async", "goals"} <= set(tta)
+    assert "window_accuracy" in tta["async"] and "publish_and_load_s" in res["publish"]
     assert {r["mode"] for r in res["runs"]} == {"async", "sync"}
     for run in res["runs"]:
         assert run["curve"] and run["steps_per_s"] > 0 and run["samples_per_s"] > 0
