@@ -45,8 +45,8 @@ SMOKE_PRESET: dict = dict(total_steps=10, eval_test_size=50, eval_subset=50, eva
                           output_dir="runs/smoke")
 
 # Offline CPU run: a tiny Llama warm-started on synthetic sums, then TBA with 1 searcher. Tuned
-# for time to accuracy on a 2-core CPU (README, "The tiny preset"): publishing every step with
-# the newest data at most 1 version old reached 0.9 soonest; looser bounds made accuracy swing.
+# for time to accuracy on a 2-core CPU (README, "How the tiny preset was tuned"): publishing every
+# step with the newest data at most 1 version old reached 0.9 soonest; looser bounds swung more.
 TINY_PRESET: dict = dict(
     model="", dtype="float32", num_searchers=1, searcher_devices="cpu", trainer_device="cpu",
     engine="hf", weight_store="shared_memory", num_generations=8, responses_per_prompt=8,
