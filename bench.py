@@ -23,6 +23,7 @@ machine            versions, cores, and how much two processes gain over one rig
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -38,8 +39,17 @@ import torch
 import torch.multiprocessing as mp
 
 from rewards import gsm8k_reward
-from run_gsm8k import (TINY_DATA, TINY_PRESET, TINY_WARM_START, Evaluator, build_char_tokenizer,
-                       build_tiny_model, synthetic_problems, tiny_warm_start, to_examples)
+from run_gsm8k import (
+    TINY_DATA,
+    TINY_PRESET,
+    TINY_WARM_START,
+    Evaluator,
+    build_char_tokenizer,
+    build_tiny_model,
+    synthetic_problems,
+    tiny_warm_start,
+    to_examples,
+)
 from searcher import HFEngine, VLLMEngine
 from tba import TBAConfig
 from trainer import WeightStore, run_tba
@@ -47,9 +57,15 @@ from trainer import WeightStore, run_tba
 THRESHOLDS = (0.85, 0.90, 0.95)
 WINDOW_S = 30  # accuracy averaged over windows of this many seconds
 TARGET = 0.90  # the goals: async reaches it in at most half the sync time, and in under 30 s
-LLAMA_110M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                  num_attention_heads=12, num_key_value_heads=12, vocab_size=32000,
-                  tie_word_embeddings=True)
+LLAMA_110M = dict(
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    vocab_size=32000,
+    tie_word_embeddings=True,
+)
 LLAMA_26M = dict(hidden=512, layers=8, heads=8)  # over the char vocabulary: the engines' bench
 
 
@@ -58,6 +74,7 @@ def log(msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------- the machine
+
 
 def _spin(seconds: float, start, out_q) -> None:
     """A single-threaded matmul loop, the system's kind of work; reports iterations per second."""
@@ -91,47 +108,71 @@ def parallel_speedup(seconds: float) -> float:
 
 def machine_info() -> dict:
     import transformers
-    return {"cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "platform": platform.platform(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
 
 
 # ----------------------------------------------------------------------------- time to accuracy
+
 
 class _Enough(Exception):
     """Raised from on_step to end a run on time (run_tba stops its searchers on any exit)."""
 
 
 def tiny_task() -> tuple[list[dict], list[dict]]:
-    return (to_examples(synthetic_problems(TINY_DATA["train"], seed=1, digits=TINY_DATA["digits"])),
-            to_examples(synthetic_problems(TINY_DATA["test"], seed=2, digits=TINY_DATA["digits"])))
+    return (
+        to_examples(synthetic_problems(TINY_DATA["train"], seed=1, digits=TINY_DATA["digits"])),
+        to_examples(synthetic_problems(TINY_DATA["test"], seed=2, digits=TINY_DATA["digits"])),
+    )
 
 
-def timed_run(model_dir: str, synchronous: bool, seed: int, budget_s: float, overrides: dict) -> dict:
+def timed_run(
+    model_dir: str, synchronous: bool, seed: int, budget_s: float, overrides: dict
+) -> dict:
     """One run_tba of the tiny preset for ``budget_s`` seconds of training; the weights every
     second, then their greedy accuracy on the held-out sums."""
     train, test = tiny_task()
     with tempfile.TemporaryDirectory(prefix="tba_bench_") as out:
-        cfg = TBAConfig(**{**TINY_PRESET, "model": model_dir, "seed": seed, "synchronous": synchronous,
-                           "output_dir": out, "eval_every": 0, "total_steps": 10**6,
-                           "checkpoint_every": 10**6, **overrides})
+        cfg = TBAConfig(
+            **{
+                **TINY_PRESET,
+                "model": model_dir,
+                "seed": seed,
+                "synchronous": synchronous,
+                "output_dir": out,
+                "eval_every": 0,
+                "total_steps": 10**6,
+                "checkpoint_every": 10**6,
+                **overrides,
+            }
+        )
         snapshots, rows = [], []
 
         def on_step(trainer, metrics):
             rows.append(metrics)
             if not snapshots or metrics["wall_time"] >= snapshots[-1][0] + 1.0:
-                snapshots.append((metrics["wall_time"], trainer.step,
-                                  {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}))
+                snapshots.append(
+                    (
+                        metrics["wall_time"],
+                        trainer.step,
+                        {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+                    )
+                )
             if metrics["wall_time"] > budget_s:
                 raise _Enough
 
-        try:
+        with contextlib.suppress(_Enough):
             run_tba(cfg, train, gsm8k_reward, on_step=on_step, show_progress=False)
-        except _Enough:
-            pass
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(cfg.trainer_device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     evaluator = Evaluator(cfg, tokenizer)
@@ -140,12 +181,19 @@ def timed_run(model_dir: str, synchronous: bool, seed: int, budget_s: float, ove
         model.load_state_dict(state)
         curve.append((round(wall, 2), step, evaluator.accuracy(model, test, desc="bench eval")))
     last = rows[-1]
-    return {"mode": "sync" if synchronous else "async", "seed": seed, "curve": curve,
-            "time_to": {str(th): next((w for w, _, a in curve if a >= th), None) for th in THRESHOLDS},
-            "steps_per_s": last["step"] / last["wall_time"],
-            "samples_per_s": last["step"] * cfg.prompts_per_step * cfg.responses_per_prompt / last["wall_time"],
-            "lag_mean": statistics.fmean(r["async/lag_mean"] for r in rows),
-            "mop_frac": statistics.fmean(r["async/mop_frac"] for r in rows)}
+    return {
+        "mode": "sync" if synchronous else "async",
+        "seed": seed,
+        "curve": curve,
+        "time_to": {str(th): next((w for w, _, a in curve if a >= th), None) for th in THRESHOLDS},
+        "steps_per_s": last["step"] / last["wall_time"],
+        "samples_per_s": last["step"]
+        * cfg.prompts_per_step
+        * cfg.responses_per_prompt
+        / last["wall_time"],
+        "lag_mean": statistics.fmean(r["async/lag_mean"] for r in rows),
+        "mop_frac": statistics.fmean(r["async/mop_frac"] for r in rows),
+    }
 
 
 def summarize(runs: list[dict], budget_s: float) -> dict:
@@ -159,28 +207,40 @@ def summarize(runs: list[dict], budget_s: float) -> dict:
             times = [r["time_to"][th] for r in mine]
             reached = [t for t in times if t is not None]
             filled = sorted(t if t is not None else budget_s for t in times)
-            row[th] = {"median": statistics.median(filled), "min": filled[0], "max": filled[-1],
-                       "reached": len(reached)}
+            row[th] = {
+                "median": statistics.median(filled),
+                "min": filled[0],
+                "max": filled[-1],
+                "reached": len(reached),
+            }
         for key in ("steps_per_s", "samples_per_s", "lag_mean", "mop_frac"):
             row[key] = statistics.median(r[key] for r in mine)
         # One crossing of a noisy curve is noisy: also the mean accuracy over each 30-s window
         # (about 30 snapshots), median over seeds.
         row["window_accuracy"] = {
-            f"{lo}-{lo + WINDOW_S}": statistics.median(statistics.fmean(
-                [a for w, _, a in r["curve"] if lo <= w < lo + WINDOW_S] or [float("nan")]) for r in mine)
-            for lo in range(0, int(budget_s) - WINDOW_S + 1, WINDOW_S)}
+            f"{lo}-{lo + WINDOW_S}": statistics.median(
+                statistics.fmean(
+                    [a for w, _, a in r["curve"] if lo <= w < lo + WINDOW_S] or [float("nan")]
+                )
+                for r in mine
+            )
+            for lo in range(0, int(budget_s) - WINDOW_S + 1, WINDOW_S)
+        }
         out[mode] = row
     target = str(TARGET)
     out["sync_over_async"] = out["sync"][target]["median"] / out["async"][target]["median"]
-    out["goals"] = {"async at most half the sync time": out["sync_over_async"] >= 2.0,
-                    "async under 30 s": out["async"][target]["median"] < 30
-                    and out["async"][target]["reached"] == out["async"]["seeds"]}
+    out["goals"] = {
+        "async at most half the sync time": out["sync_over_async"] >= 2.0,
+        "async under 30 s": out["async"][target]["median"] < 30
+        and out["async"][target]["reached"] == out["async"]["seeds"],
+    }
     return out
 
 
 def plot(runs: list[dict], path: Path) -> str | None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -188,8 +248,14 @@ def plot(runs: list[dict], path: Path) -> str | None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for mode, color in (("async", "tab:blue"), ("sync", "tab:orange")):
         for i, run in enumerate(r for r in runs if r["mode"] == mode):
-            ax.plot([c[0] for c in run["curve"]], [c[2] for c in run["curve"]], color=color,
-                    alpha=0.6, lw=1.2, label=f"{mode} TBA (one line per seed)" if i == 0 else None)
+            ax.plot(
+                [c[0] for c in run["curve"]],
+                [c[2] for c in run["curve"]],
+                color=color,
+                alpha=0.6,
+                lw=1.2,
+                label=f"{mode} TBA (one line per seed)" if i == 0 else None,
+            )
     ax.axhline(TARGET, color="grey", ls="--", lw=0.8)
     ax.set_xlabel("seconds of training (evaluation excluded)")
     ax.set_ylabel("greedy accuracy, 200 held-out sums")
@@ -200,6 +266,7 @@ def plot(runs: list[dict], path: Path) -> str | None:
 
 
 # ----------------------------------------------------------------------------- engines
+
 
 def bench_engines(root: str, quick: bool) -> dict | str:
     """Generation tokens/s and weight-load seconds, vLLM against transformers, one thread."""
@@ -213,15 +280,30 @@ def bench_engines(root: str, quick: bool) -> dict | str:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     new_tokens = 16 if quick else 128
-    cfg = TBAConfig(model=str(path), dtype="float32", num_searchers=1, searcher_devices="cpu",
-                    trainer_device="cpu", max_new_tokens=new_tokens, temperature=0.7,
-                    num_generations=8, responses_per_prompt=8, searcher_batch_prompts=8, eval_batch_size=64)
+    cfg = TBAConfig(
+        model=str(path),
+        dtype="float32",
+        num_searchers=1,
+        searcher_devices="cpu",
+        trainer_device="cpu",
+        max_new_tokens=new_tokens,
+        temperature=0.7,
+        num_generations=8,
+        responses_per_prompt=8,
+        searcher_batch_prompts=8,
+        eval_batch_size=64,
+    )
     prompts = [tok(ex["prompt"])["input_ids"] for ex in to_examples(synthetic_problems(8, seed=4))]
     named = list(model.named_parameters())
-    out = {"params_M": sum(p.numel() for p in model.parameters()) / 1e6, "new_tokens": new_tokens,
-           "batch": "8 prompts x 8 samples"}
-    for name, engine in (("hf", HFEngine(cfg, torch.device("cpu"), tok.eos_token_id, tok.pad_token_id)),
-                         ("vllm", VLLMEngine(cfg, torch.device("cpu"), tok.eos_token_id, seed=0))):
+    out = {
+        "params_M": sum(p.numel() for p in model.parameters()) / 1e6,
+        "new_tokens": new_tokens,
+        "batch": "8 prompts x 8 samples",
+    }
+    for name, engine in (
+        ("hf", HFEngine(cfg, torch.device("cpu"), tok.eos_token_id, tok.pad_token_id)),
+        ("vllm", VLLMEngine(cfg, torch.device("cpu"), tok.eos_token_id, seed=0)),
+    ):
         engine.generate(prompts[:2], 2)  # warm-up
         rates, loads = [], []
         for _ in range(1 if quick else 3):
@@ -231,7 +313,10 @@ def bench_engines(root: str, quick: bool) -> dict | str:
             t0 = time.perf_counter()
             engine.load_weights(named)
             loads.append(time.perf_counter() - t0)
-        out[f"{name}_tokens_per_s"], out[f"{name}_load_s"] = statistics.median(rates), statistics.median(loads)
+        out[f"{name}_tokens_per_s"], out[f"{name}_load_s"] = (
+            statistics.median(rates),
+            statistics.median(loads),
+        )
         del engine
     out["vllm_over_hf_tokens_per_s"] = out["vllm_tokens_per_s"] / out["hf_tokens_per_s"]
     return out
@@ -239,11 +324,17 @@ def bench_engines(root: str, quick: bool) -> dict | str:
 
 # ----------------------------------------------------------------------------- weight publish
 
+
 def _load_child(store: WeightStore, model_kwargs: dict, device: str, cmd_q, res_q) -> None:
     """A searcher stand-in in its own process: load the store into a transformers model."""
     torch.set_num_threads(1)
-    engine = HFEngine(TBAConfig(searcher_devices=device, num_searchers=1), torch.device(device),
-                      eos_id=0, pad_id=0, model=_llama(model_kwargs, device))
+    engine = HFEngine(
+        TBAConfig(searcher_devices=device, num_searchers=1),
+        torch.device(device),
+        eos_id=0,
+        pad_id=0,
+        model=_llama(model_kwargs, device),
+    )
     res_q.put("ready")
     while cmd_q.get(timeout=300) is not None:
         t0 = time.perf_counter()
@@ -254,6 +345,7 @@ def _load_child(store: WeightStore, model_kwargs: dict, device: str, cmd_q, res_
 def _llama(model_kwargs: dict, device: str):
     """A Llama with uninitialised storage (meta, then real memory): no init cost."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**model_kwargs))
     model.to_empty(device=device)
@@ -299,47 +391,79 @@ def bench_publish(reps: int, device: str = "cpu", model_kwargs: dict = LLAMA_110
         if proc.is_alive():
             proc.kill()
             proc.join()
-    return {"publish_over_copy": statistics.median(ratios), "publish_and_load_s": statistics.median(seconds),
-            "params_M": store.flat.numel() / 1e6,
-            "load_in": f"another process via {'CUDA IPC' if device != 'cpu' else 'shared memory'}"}
+    return {
+        "publish_over_copy": statistics.median(ratios),
+        "publish_and_load_s": statistics.median(seconds),
+        "params_M": store.flat.numel() / 1e6,
+        "load_in": f"another process via {'CUDA IPC' if device != 'cpu' else 'shared memory'}",
+    }
 
 
 # ----------------------------------------------------------------------------- report
 
+
 def print_report(res: dict) -> None:
     tta = res["time_to_accuracy"]
-    print(f"\ntime to greedy accuracy (seconds of training, median [min-max] over {tta['async']['seeds']} "
-          f"seeds; a run that never got there counts as {res['budget_s']:.0f} s)")
-    print(f"{'mode':<7}" + "".join(f"{'to ' + str(th):>22}" for th in THRESHOLDS)
-          + f"{'steps/s':>9}{'samples/s':>11}{'lag':>6}")
+    print(
+        f"\ntime to greedy accuracy (seconds of training, median [min-max] over {tta['async']['seeds']} "
+        f"seeds; a run that never got there counts as {res['budget_s']:.0f} s)"
+    )
+    print(
+        f"{'mode':<7}"
+        + "".join(f"{'to ' + str(th):>22}" for th in THRESHOLDS)
+        + f"{'steps/s':>9}{'samples/s':>11}{'lag':>6}"
+    )
     for mode in ("async", "sync"):
         row = tta[mode]
-        cells = "".join(f"{row[str(th)]['median']:>8.1f} [{row[str(th)]['min']:.0f}-{row[str(th)]['max']:.0f}]"
-                        f" {row[str(th)]['reached']}/{row['seeds']}" for th in THRESHOLDS)
-        print(f"{mode:<7}{cells}{row['steps_per_s']:>9.2f}{row['samples_per_s']:>11.0f}{row['lag_mean']:>6.1f}")
+        cells = "".join(
+            f"{row[str(th)]['median']:>8.1f} [{row[str(th)]['min']:.0f}-{row[str(th)]['max']:.0f}]"
+            f" {row[str(th)]['reached']}/{row['seeds']}"
+            for th in THRESHOLDS
+        )
+        print(
+            f"{mode:<7}{cells}{row['steps_per_s']:>9.2f}{row['samples_per_s']:>11.0f}{row['lag_mean']:>6.1f}"
+        )
     windows = list(tta["async"]["window_accuracy"])
-    print("mean greedy accuracy per window of seconds (median over seeds)\n" + f"{'mode':<7}"
-          + "".join(f"{w:>9}" for w in windows))
+    print(
+        "mean greedy accuracy per window of seconds (median over seeds)\n"
+        + f"{'mode':<7}"
+        + "".join(f"{w:>9}" for w in windows)
+    )
     for mode in ("async", "sync"):
         print(f"{mode:<7}" + "".join(f"{tta[mode]['window_accuracy'][w]:>9.3f}" for w in windows))
-    print(f"sync / async time to {TARGET}: {tta['sync_over_async']:.2f}; goals: {json.dumps(tta['goals'])}")
-    print(f"two processes over one: {res['parallel_speedup_start']:.2f} at the start, "
-          f"{res['parallel_speedup_end']:.2f} at the end (2.0 = two idle cores)")
+    print(
+        f"sync / async time to {TARGET}: {tta['sync_over_async']:.2f}; goals: {json.dumps(tta['goals'])}"
+    )
+    print(
+        f"two processes over one: {res['parallel_speedup_start']:.2f} at the start, "
+        f"{res['parallel_speedup_end']:.2f} at the end (2.0 = two idle cores)"
+    )
     print(f"engines: {json.dumps(res['engines'])}")
     print(f"publish: {json.dumps(res['publish'])}")
     print(f"plot: {res['plot']}; total {res['total_runtime_s']:.0f} s")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="bench.json", help="where to write the JSON results")
     parser.add_argument("--quick", action="store_true", help="~2 min smoke test with the same keys")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per mode for time to accuracy")
     parser.add_argument("--budget", type=float, default=120.0, help="seconds of training per run")
-    parser.add_argument("--warm_start", default="runs/bench", help="where the tiny warm start is "
-                        "cached (all runs start from it; reused by later benches)")
-    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
-                        help="TBAConfig overrides of the tiny preset for both modes")
+    parser.add_argument(
+        "--warm_start",
+        default="runs/bench",
+        help="where the tiny warm start is "
+        "cached (all runs start from it; reused by later benches)",
+    )
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="TBAConfig overrides of the tiny preset for both modes",
+    )
     args = parser.parse_args()
     start = time.monotonic()
     overrides = {}
@@ -348,8 +472,13 @@ def main() -> None:
         default = getattr(TBAConfig(), name)
         overrides[name] = value == "True" if isinstance(default, bool) else type(default)(value)
     seeds, budget = (1, 4.0) if args.quick else (args.seeds, args.budget)
-    res: dict = {"quick": args.quick, "machine": machine_info(), "budget_s": budget,
-                 "overrides": overrides, "parallel_speedup_start": parallel_speedup(1.0 if args.quick else 3.0)}
+    res: dict = {
+        "quick": args.quick,
+        "machine": machine_info(),
+        "budget_s": budget,
+        "overrides": overrides,
+        "parallel_speedup_start": parallel_speedup(1.0 if args.quick else 3.0),
+    }
     with tempfile.TemporaryDirectory(prefix="tba_bench_models_") as root:
         if args.quick:  # an untrained model: the code paths, not the learning
             model_dir = str(Path(root) / "random")
@@ -358,23 +487,29 @@ def main() -> None:
             tok.save_pretrained(model_dir)
         else:
             train, _ = tiny_task()
-            val = to_examples(synthetic_problems(TINY_WARM_START["val"], seed=3, digits=TINY_DATA["digits"]))
+            val = to_examples(
+                synthetic_problems(TINY_WARM_START["val"], seed=3, digits=TINY_DATA["digits"])
+            )
             model_dir = tiny_warm_start(Path(args.warm_start), train, val, seed=0)
         runs = []
         for seed in range(seeds):
             for synchronous in (False, True):
                 log(f"time to accuracy: {'sync' if synchronous else 'async'}, seed {seed}")
                 runs.append(timed_run(model_dir, synchronous, seed, budget, overrides))
-                log(f"  to {TARGET}: {runs[-1]['time_to'][str(TARGET)]} s, "
-                    f"{runs[-1]['steps_per_s']:.2f} steps/s")
+                log(
+                    f"  to {TARGET}: {runs[-1]['time_to'][str(TARGET)]} s, "
+                    f"{runs[-1]['steps_per_s']:.2f} steps/s"
+                )
         res["runs"], res["time_to_accuracy"] = runs, summarize(runs, budget)
         res["plot"] = plot(runs, Path(args.out).with_suffix(".png"))
         res["parallel_speedup_end"] = parallel_speedup(1.0 if args.quick else 3.0)
         log("engines")
         res["engines"] = bench_engines(root, args.quick)
         log("publish")
-        res["publish"] = bench_publish(2 if args.quick else 7, model_kwargs=dict(
-            LLAMA_110M, num_hidden_layers=2) if args.quick else LLAMA_110M)
+        res["publish"] = bench_publish(
+            2 if args.quick else 7,
+            model_kwargs=dict(LLAMA_110M, num_hidden_layers=2) if args.quick else LLAMA_110M,
+        )
         if torch.cuda.is_available():
             res["publish_cuda_ipc"] = bench_publish(3, device="cuda:0")
     res["total_runtime_s"] = time.monotonic() - start

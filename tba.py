@@ -62,10 +62,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 # ----------------------------------------------------------------------------- 4. the loss
 
-def tb_loss(logp: torch.Tensor, ref_logp: torch.Tensor, reward: torch.Tensor, beta: float) -> torch.Tensor:
+
+def tb_loss(
+    logp: torch.Tensor, ref_logp: torch.Tensor, reward: torch.Tensor, beta: float
+) -> torch.Tensor:
     """VarGrad trajectory-balance loss (paper Eq. 5). Needs only torch; copy it anywhere.
 
     Shapes: ``logp``, ``ref_logp``, ``reward`` are float tensors (P, K) -- K responses to each
@@ -90,8 +92,10 @@ def tb_loss(logp: torch.Tensor, ref_logp: torch.Tensor, reward: torch.Tensor, be
     i.e. REINFORCE with a per-prompt mean baseline on R, scaled by 2/beta.
     """
     if logp.dim() != 2 or logp.shape != ref_logp.shape or logp.shape != reward.shape:
-        raise ValueError("tb_loss: logp, ref_logp and reward must share a (P, K) shape, got "
-                         f"{tuple(logp.shape)}, {tuple(ref_logp.shape)}, {tuple(reward.shape)}")
+        raise ValueError(
+            "tb_loss: logp, ref_logp and reward must share a (P, K) shape, got "
+            f"{tuple(logp.shape)}, {tuple(ref_logp.shape)}, {tuple(reward.shape)}"
+        )
     if logp.shape[1] < 2:
         raise ValueError("tb_loss: K must be >= 2 (with one response per prompt the loss is 0)")
     if beta <= 0:
@@ -101,7 +105,9 @@ def tb_loss(logp: torch.Tensor, ref_logp: torch.Tensor, reward: torch.Tensor, be
     return (log_z + d).pow(2).mean()
 
 
-def tb_log_z(logp: torch.Tensor, ref_logp: torch.Tensor, reward: torch.Tensor, beta: float) -> torch.Tensor:
+def tb_log_z(
+    logp: torch.Tensor, ref_logp: torch.Tensor, reward: torch.Tensor, beta: float
+) -> torch.Tensor:
     """The per-prompt VarGrad log Z (P,) used inside ``tb_loss``; for metrics."""
     return -(logp - ref_logp - reward / beta).mean(dim=1).detach()
 
@@ -127,8 +133,10 @@ def wsd_lr_factor(step: int, warmup: int, stable: int, decay: int) -> float:
 
 # ----------------------------------------------------------------------------- 1c, 4. log-probs
 
-def pad(rows: list[list[int]], pad_id: int, device: torch.device | str = "cpu", left: bool = False
-        ) -> tuple[torch.Tensor, torch.Tensor]:
+
+def pad(
+    rows: list[list[int]], pad_id: int, device: torch.device | str = "cpu", left: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``input_ids`` and ``attention_mask`` (B, W) of token rows padded on the right, or on the
     left so that every row ends at the last column (where generation, or a response, goes on).
     With left padding, pass ``positions(mask)`` as ``position_ids``."""
@@ -147,18 +155,25 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(1) - 1).clamp(min=0)
 
 
-def pad_sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+def pad_sequences(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    pad_id: int,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, ...]:
     """Right-padded prompt + response rows: ``input_ids``, ``attention_mask`` and
     ``response_mask`` (B, T), the last 1 on response tokens only."""
-    ids, attn = pad([list(p) + list(r) for p, r in zip(prompts, responses, strict=True)], pad_id, device)
+    ids, attn = pad(
+        [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)], pad_id, device
+    )
     positions = torch.arange(ids.shape[1], device=ids.device)
     starts = torch.tensor([len(p) for p in prompts], device=ids.device)
     return ids, attn, attn * (positions[None] >= starts[:, None])
 
 
-def summed_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-                    temperature: float = 1.0) -> torch.Tensor:
+def summed_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """sum_t mask_t log softmax(logits_t / T)[target_t] per row (B,), for logits (B, T, V)
     aligned with targets and mask (B, T).
 
@@ -173,17 +188,31 @@ def summed_logprobs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Ten
     return (token_logp * mask.to(token_logp.dtype)).sum(dim=1)
 
 
-def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      response_mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """log pi(y|x) (B,) of ``pad_sequences`` rows: token t is predicted by the logits at t - 1,
     and prompt and padding positions are masked out."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
     return summed_logprobs(logits, input_ids[:, 1:], response_mask[:, 1:], temperature)
 
 
-def group_logprobs(model: torch.nn.Module, prompts: list[list[int]], groups: list[list[list[int]]],
-                   *, pad_id: int, eos_id: int, temperature: float = 1.0, include_eos: bool = True,
-                   share_prompt: bool = True, device: torch.device | str = "cpu") -> torch.Tensor:
+def group_logprobs(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    groups: list[list[list[int]]],
+    *,
+    pad_id: int,
+    eos_id: int,
+    temperature: float = 1.0,
+    include_eos: bool = True,
+    share_prompt: bool = True,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """log pi(y|x) (P, K) of the K responses ``groups[i]`` to each of P ``prompts[i]``, as the TB
     loss uses it: of logits / ``temperature``, a final EOS left out unless ``include_eos``. The
     trainer (log pi, with gradients) and the searchers (log p_ref) both call this, so the two
@@ -201,32 +230,46 @@ def group_logprobs(model: torch.nn.Module, prompts: list[list[int]], groups: lis
     if not include_eos:  # the EOS is the last token: dropping it equals masking its position
         flat = [r[:-1] if r and r[-1] == eos_id else r for r in flat]
     if not share_prompt:
-        ids, attn, resp = pad_sequences([p for p in prompts for _ in range(size)], flat, pad_id, device)
+        ids, attn, resp = pad_sequences(
+            [p for p in prompts for _ in range(size)], flat, pad_id, device
+        )
         return sequence_logprobs(model, ids, attn, resp, temperature).view(len(prompts), size)
     from transformers import DynamicCache
 
     ids, attn = pad(prompts, pad_id, device, left=True)
     cache = DynamicCache(config=model.config)
-    last = model(input_ids=ids, attention_mask=attn, position_ids=positions(attn), past_key_values=cache,
-                 use_cache=True).logits[:, -1:]  # predicts each response's first token
+    last = model(
+        input_ids=ids,
+        attention_mask=attn,
+        position_ids=positions(attn),
+        past_key_values=cache,
+        use_cache=True,
+    ).logits[:, -1:]  # predicts each response's first token
     cache.batch_repeat_interleave(size)
     targets, mask = pad(flat, pad_id, device)
     attn = attn.repeat_interleave(size, 0)
-    logits = model(input_ids=targets, attention_mask=torch.cat([attn, mask], dim=1),
-                   position_ids=attn.sum(1, keepdim=True) + torch.arange(mask.shape[1], device=mask.device),
-                   past_key_values=cache, use_cache=True).logits[:, :-1]
+    logits = model(
+        input_ids=targets,
+        attention_mask=torch.cat([attn, mask], dim=1),
+        position_ids=attn.sum(1, keepdim=True) + torch.arange(mask.shape[1], device=mask.device),
+        past_key_values=cache,
+        use_cache=True,
+    ).logits[:, :-1]
     logits = torch.cat([last.repeat_interleave(size, 0), logits], dim=1)
     return summed_logprobs(logits, targets, mask, temperature).view(len(prompts), size)
 
 
 # ----------------------------------------------------------------------------- models
 
+
 def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one bar per load per process drowns the trainer's bar
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, trust_remote_code=trust_remote_code
+    )
     return model.to(device)
 
 
@@ -245,6 +288,7 @@ def peak_memory_gb(device: torch.device) -> float:
 
 # ----------------------------------------------------------------------------- the config
 
+
 def _knob(default, help: str):
     """A config field whose help text feeds ``--help`` (one source of truth per knob)."""
     return field(default=default, metadata={"help": help})
@@ -255,67 +299,121 @@ class TBAConfig:
     """Every knob of the whole system. Defaults are the released GSM8K run (module docstring)."""
 
     # --- models ---
-    model: str = _knob("realtreetune/rho-1b-sft-GSM8K", "policy to train: a hub name or a local directory")
+    model: str = _knob(
+        "realtreetune/rho-1b-sft-GSM8K", "policy to train: a hub name or a local directory"
+    )
     ref_model: str = _knob("", "frozen reference p_ref; empty: the same as --model")
-    dtype: str = _knob("bfloat16", "weights dtype of policy and reference: bfloat16|float16|float32")
-    trust_remote_code: bool = _knob(False, "let transformers run model code from the hub (off: safer)")
+    dtype: str = _knob(
+        "bfloat16", "weights dtype of policy and reference: bfloat16|float16|float32"
+    )
+    trust_remote_code: bool = _knob(
+        False, "let transformers run model code from the hub (off: safer)"
+    )
     # --- processes and devices ---
     num_searchers: int = _knob(3, "searcher processes S (paper: 3, one per GPU)")
-    searcher_devices: str = _knob("cuda:1,cuda:2,cuda:3", "one device per searcher (comma list), or one for all")
+    searcher_devices: str = _knob(
+        "cuda:1,cuda:2,cuda:3", "one device per searcher (comma list), or one for all"
+    )
     trainer_device: str = _knob("cuda:0", "device of the trainer, which runs in the main process")
-    engine: str = _knob("auto", "generation engine: vllm | hf (transformers) | auto: vLLM on a GPU if installed")
+    engine: str = _knob(
+        "auto", "generation engine: vllm | hf (transformers) | auto: vLLM on a GPU if installed"
+    )
     vllm_gpu_memory_utilization: float = _knob(0.85, "fraction of a searcher GPU vLLM may take")
-    weight_store: str = _knob("auto", "cuda (CUDA IPC; auto with a CUDA trainer) | shared_memory (no GPU peer access)")
-    synchronous: bool = _knob(False, "on-policy baseline: generate with the newest weights only, train on them (lag 0)")
+    weight_store: str = _knob(
+        "auto", "cuda (CUDA IPC; auto with a CUDA trainer) | shared_memory (no GPU peer access)"
+    )
+    synchronous: bool = _knob(
+        False, "on-policy baseline: generate with the newest weights only, train on them (lag 0)"
+    )
     # --- generation (searchers) ---
     num_generations: int = _knob(24, "N: responses generated per prompt")
-    responses_per_prompt: int = _knob(20, "K: responses of each prompt in a trainer step (from the buffer)")
+    responses_per_prompt: int = _knob(
+        20, "K: responses of each prompt in a trainer step (from the buffer)"
+    )
     prompts_per_step: int = _knob(7, "P: prompts per trainer step")
-    searcher_batch_prompts: int = _knob(3, "prompts per generate call of a searcher (released run: 3)")
+    searcher_batch_prompts: int = _knob(
+        3, "prompts per generate call of a searcher (released run: 3)"
+    )
     temperature: float = _knob(0.7, "sampling temperature T of the searchers")
     max_new_tokens: int = _knob(512, "longest response, in tokens")
     # --- optimisation (trainer) ---
     lr: float = _knob(1e-5, "peak learning rate of AdamW")
     warmup_steps: int = _knob(50, "linear warmup steps of the warmup-stable-decay schedule")
     stable_steps: int = _knob(350, "constant-lr steps after warmup")
-    decay_steps: int = _knob(600, "cosine decay-to-0 steps (released run: cut at step 700, at half the peak)")
+    decay_steps: int = _knob(
+        600, "cosine decay-to-0 steps (released run: cut at step 700, at half the peak)"
+    )
     total_steps: int = _knob(700, "trainer steps (released run: 98,000 episodes / 140 per step)")
     weight_decay: float = _knob(0.0, "AdamW weight decay")
-    max_grad_norm: float = _knob(0.0, "clip the gradient norm to this; 0: no clipping (released run)")
-    fp32_master_weights: bool = _knob(False, "fp32 weights and AdamW moments, autocast compute; off: `dtype`")
-    tempered_logprobs: bool = _knob(True, "log pi and log p_ref of logits / T; off: of the models (Eq. 5)")
+    max_grad_norm: float = _knob(
+        0.0, "clip the gradient norm to this; 0: no clipping (released run)"
+    )
+    fp32_master_weights: bool = _knob(
+        False, "fp32 weights and AdamW moments, autocast compute; off: `dtype`"
+    )
+    tempered_logprobs: bool = _knob(
+        True, "log pi and log p_ref of logits / T; off: of the models (Eq. 5)"
+    )
     eos_in_logprob: bool = _knob(False, "score the EOS that ends a response; off: kept, not scored")
     beta_start: float = _knob(0.014, "KL strength beta at step 0")
     beta_end: float = _knob(0.004, "KL strength beta after the anneal")
     beta_anneal_steps: int = _knob(500, "steps of the linear beta anneal")
     gradient_checkpointing: bool = _knob(False, "trade trainer compute for activation memory")
-    micro_batch_size: int = _knob(20, "sequences per forward pass, in whole prompt groups (at least one; "
-                                      "the gradient does not depend on it); 0: all in one pass")
+    micro_batch_size: int = _knob(
+        20,
+        "sequences per forward pass, in whole prompt groups (at least one; "
+        "the gradient does not depend on it); 0: all in one pass",
+    )
     # --- asynchrony and replay buffer ---
     mop_prob: float = _knob(0.95, "m: probability that a step's prompt is most-on-policy")
-    inv_temp: float = _knob(0.0, "other prompts' items are drawn by softmax(reward * inv_temp); 0: uniform")
+    inv_temp: float = _knob(
+        0.0, "other prompts' items are drawn by softmax(reward * inv_temp); 0: uniform"
+    )
     sync_every: int = _knob(2, "k: publish the trainer's weights every k steps")
-    max_lag: int = _knob(3, "the trainer waits while its newest data is more than this many versions "
-                            "old (-1: never); the released run's barrier: 2k - 1 = 3")
-    buffer_capacity: int = _knob(100, "trajectories kept per prompt (oldest evicted, dedup by tokens)")
+    max_lag: int = _knob(
+        3,
+        "the trainer waits while its newest data is more than this many versions "
+        "old (-1: never); the released run's barrier: 2k - 1 = 3",
+    )
+    buffer_capacity: int = _knob(
+        100, "trajectories kept per prompt (oldest evicted, dedup by tokens)"
+    )
     initial_samples: int = _knob(500, "trajectories in the buffer before the first step")
     queue_size: int = _knob(8, "bound of the trajectory queue, in messages (one per generate call)")
-    parity_check: bool = _knob(False, "after each load a searcher compares a probe log-prob with the trainer's")
-    parity_tol: float = _knob(0.02, "relative tolerance of the parity check (bf16 engines differ a little)")
-    max_searcher_restarts: int = _knob(3, "restarts allowed per run, all searchers together; one more failure stops it")
+    parity_check: bool = _knob(
+        False, "after each load a searcher compares a probe log-prob with the trainer's"
+    )
+    parity_tol: float = _knob(
+        0.02, "relative tolerance of the parity check (bf16 engines differ a little)"
+    )
+    max_searcher_restarts: int = _knob(
+        3, "restarts allowed per run, all searchers together; one more failure stops it"
+    )
     torch_threads: int = _knob(0, "torch CPU threads per process; 0: cores / processes")
     # --- run ---
     seed: int = _knob(0, "seed of trainer, buffer and searchers (searcher s uses seed + 1 + s)")
     output_dir: str = _knob("runs/gsm8k", "metrics.jsonl, results.json, checkpoints")
-    data_dir: str = _knob("data/gsm8k", "GSM8K train.jsonl and test.jsonl (relative: here, else the repository's)")
-    resume: bool = _knob(False, "continue from output_dir/checkpoint.pt (weights, optimizer, step, RNG, buffer)")
-    checkpoint_every: int = _knob(175, "resumable checkpoint every this many steps (0: every k); released: 4 a run")
-    eval_every: int = _knob(0, "greedy accuracy on the fixed subset every this many steps (0: before and after)")
+    data_dir: str = _knob(
+        "data/gsm8k", "GSM8K train.jsonl and test.jsonl (relative: here, else the repository's)"
+    )
+    resume: bool = _knob(
+        False, "continue from output_dir/checkpoint.pt (weights, optimizer, step, RNG, buffer)"
+    )
+    checkpoint_every: int = _knob(
+        175, "resumable checkpoint every this many steps (0: every k); released: 4 a run"
+    )
+    eval_every: int = _knob(
+        0, "greedy accuracy on the fixed subset every this many steps (0: before and after)"
+    )
     eval_subset: int = _knob(200, "size of the fixed evaluation subset (also pass@n and diversity)")
     eval_test_size: int = _knob(0, "test problems scored before and after training (0: all)")
-    eval_samples: int = _knob(8, "n of pass@n: sampled answers per subset problem, before and after")
+    eval_samples: int = _knob(
+        8, "n of pass@n: sampled answers per subset problem, before and after"
+    )
     eval_batch_size: int = _knob(64, "prompts per generate call during evaluation")
-    vllm_eval_memory_utilization: float = _knob(0.2, "GPU fraction of the vLLM evaluation engine beside the trainer")
+    vllm_eval_memory_utilization: float = _knob(
+        0.2, "GPU fraction of the vLLM evaluation engine beside the trainer"
+    )
     timeout_s: float = _knob(600.0, "longest wait for any process or queue before failing loudly")
 
     def __post_init__(self) -> None:
@@ -323,39 +421,99 @@ class TBAConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the field when a value or a combination cannot work."""
+
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ValueError(f"TBAConfig: {msg}")
 
-        rules = ((lambda v: v >= 1, ">= 1", ("num_searchers", "num_generations", "prompts_per_step",
-                  "searcher_batch_prompts", "max_new_tokens", "total_steps", "sync_every", "buffer_capacity",
-                  "queue_size", "eval_batch_size")),
-                 (lambda v: v >= 0, ">= 0", ("warmup_steps", "stable_steps", "decay_steps", "beta_anneal_steps",
-                  "initial_samples", "eval_every", "eval_subset", "weight_decay", "max_searcher_restarts",
-                  "torch_threads", "checkpoint_every", "eval_samples", "eval_test_size", "micro_batch_size",
-                  "max_grad_norm", "inv_temp")),
-                 (lambda v: v > 0, "> 0", ("beta_start", "beta_end", "lr", "temperature", "timeout_s", "parity_tol")))
+        rules = (
+            (
+                lambda v: v >= 1,
+                ">= 1",
+                (
+                    "num_searchers",
+                    "num_generations",
+                    "prompts_per_step",
+                    "searcher_batch_prompts",
+                    "max_new_tokens",
+                    "total_steps",
+                    "sync_every",
+                    "buffer_capacity",
+                    "queue_size",
+                    "eval_batch_size",
+                ),
+            ),
+            (
+                lambda v: v >= 0,
+                ">= 0",
+                (
+                    "warmup_steps",
+                    "stable_steps",
+                    "decay_steps",
+                    "beta_anneal_steps",
+                    "initial_samples",
+                    "eval_every",
+                    "eval_subset",
+                    "weight_decay",
+                    "max_searcher_restarts",
+                    "torch_threads",
+                    "checkpoint_every",
+                    "eval_samples",
+                    "eval_test_size",
+                    "micro_batch_size",
+                    "max_grad_norm",
+                    "inv_temp",
+                ),
+            ),
+            (
+                lambda v: v > 0,
+                "> 0",
+                ("beta_start", "beta_end", "lr", "temperature", "timeout_s", "parity_tol"),
+            ),
+        )
         for ok, rule, names in rules:
             for name in names:
                 need(ok(getattr(self, name)), f"{name} must be {rule}, got {getattr(self, name)}")
-        need(2 <= self.responses_per_prompt <= self.buffer_capacity, "responses_per_prompt (K) must be >= 2 "
-             "(log Z is a mean over K: with K = 1 the loss is 0) and <= buffer_capacity")
-        need(self.num_generations <= self.buffer_capacity, f"num_generations ({self.num_generations}) must be "
-             f"<= buffer_capacity ({self.buffer_capacity}), or one generate call evicts its own samples")
+        need(
+            2 <= self.responses_per_prompt <= self.buffer_capacity,
+            "responses_per_prompt (K) must be >= 2 "
+            "(log Z is a mean over K: with K = 1 the loss is 0) and <= buffer_capacity",
+        )
+        need(
+            self.num_generations <= self.buffer_capacity,
+            f"num_generations ({self.num_generations}) must be "
+            f"<= buffer_capacity ({self.buffer_capacity}), or one generate call evicts its own samples",
+        )
         need(0.0 <= self.mop_prob <= 1.0, f"mop_prob must be in [0, 1], got {self.mop_prob}")
-        need(self.max_lag == -1 or self.max_lag >= self.sync_every - 1,
-             f"max_lag must be -1 (no bound) or >= sync_every - 1 = {self.sync_every - 1}: only every "
-             "k-th version is published, so a tighter bound can never be met")
-        need(self.warmup_steps + self.stable_steps + self.decay_steps >= 1,
-             "warmup_steps + stable_steps + decay_steps must be >= 1")
-        for name, allowed in (("dtype", ("bfloat16", "float16", "float32")), ("engine", ("auto", "vllm", "hf")),
-                              ("weight_store", ("auto", "cuda", "shared_memory"))):
-            need(getattr(self, name) in allowed, f"{name} {getattr(self, name)!r} is not one of {allowed}")
-        need(len(self.searcher_device_list()) in (1, self.num_searchers), f"searcher_devices lists "
-             f"{len(self.searcher_device_list())} devices for {self.num_searchers} searchers (one each, or one)")
-        need(not self.synchronous or self.num_searchers * self.searcher_batch_prompts >= self.prompts_per_step,
-             "synchronous mode generates one batch per searcher per version: num_searchers * "
-             "searcher_batch_prompts must be >= prompts_per_step")
+        need(
+            self.max_lag == -1 or self.max_lag >= self.sync_every - 1,
+            f"max_lag must be -1 (no bound) or >= sync_every - 1 = {self.sync_every - 1}: only every "
+            "k-th version is published, so a tighter bound can never be met",
+        )
+        need(
+            self.warmup_steps + self.stable_steps + self.decay_steps >= 1,
+            "warmup_steps + stable_steps + decay_steps must be >= 1",
+        )
+        for name, allowed in (
+            ("dtype", ("bfloat16", "float16", "float32")),
+            ("engine", ("auto", "vllm", "hf")),
+            ("weight_store", ("auto", "cuda", "shared_memory")),
+        ):
+            need(
+                getattr(self, name) in allowed,
+                f"{name} {getattr(self, name)!r} is not one of {allowed}",
+            )
+        need(
+            len(self.searcher_device_list()) in (1, self.num_searchers),
+            f"searcher_devices lists "
+            f"{len(self.searcher_device_list())} devices for {self.num_searchers} searchers (one each, or one)",
+        )
+        need(
+            not self.synchronous
+            or self.num_searchers * self.searcher_batch_prompts >= self.prompts_per_step,
+            "synchronous mode generates one batch per searcher per version: num_searchers * "
+            "searcher_batch_prompts must be >= prompts_per_step",
+        )
 
     def searcher_device_list(self) -> list[str]:
         """One device string per searcher."""
@@ -372,20 +530,24 @@ class TBAConfig:
         return self.temperature if self.tempered_logprobs else 1.0
 
     def torch_dtype(self) -> torch.dtype:
-        return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[self.dtype]
+        return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
+            self.dtype
+        ]
 
 
 def config_argparser(description: str = "") -> argparse.ArgumentParser:
     """``--field value`` for every TBAConfig field; booleans are bare flags (``--synchronous``,
     ``--no-tempered_logprobs``). Defaults are None, so that callers can tell an explicit flag
     from a preset's value."""
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     for f in dataclasses.fields(TBAConfig):
         help_text = f"{f.metadata.get('help', '')} (default: {f.default!r})"
         if f.type in (bool, "bool"):
-            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
+            parser.add_argument(
+                f"--{f.name}", action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         else:
             kind = {"int": int, "float": float, "str": str}.get(f.type, f.type)
             parser.add_argument(f"--{f.name}", type=kind, default=None, help=help_text)
@@ -395,6 +557,11 @@ def config_argparser(description: str = "") -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace, base: dict | None = None) -> TBAConfig:
     """A TBAConfig from ``base`` (e.g. a preset) overridden by every flag the user gave."""
     values = dict(base or {})
-    values.update({f.name: getattr(args, f.name) for f in dataclasses.fields(TBAConfig)
-                   if getattr(args, f.name, None) is not None})
+    values.update(
+        {
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(TBAConfig)
+            if getattr(args, f.name, None) is not None
+        }
+    )
     return TBAConfig(**values)

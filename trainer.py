@@ -17,8 +17,8 @@ import os
 import queue as queue_lib
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -27,11 +27,20 @@ from transformers import AutoTokenizer
 
 from buffer import ReplayBuffer, Trajectory
 from searcher import ParityProbe, searcher_main, weights_checksum
-from tba import (TBAConfig, beta_at, group_logprobs, load_causal_lm, pad_token_id, peak_memory_gb,
-                 tb_log_z, tb_loss, wsd_lr_factor)
-
+from tba import (
+    TBAConfig,
+    beta_at,
+    group_logprobs,
+    load_causal_lm,
+    pad_token_id,
+    peak_memory_gb,
+    tb_log_z,
+    tb_loss,
+    wsd_lr_factor,
+)
 
 # ----------------------------------------------------------------------------- 5. the weight store
+
 
 class WeightStore:
     """Named tensors mirrored into one flat shared tensor, with a version. Needs only torch.
@@ -44,9 +53,14 @@ class WeightStore:
 
     SEQ, VERSION, PROBE = 0, 1, 2  # the slots of ``header``
 
-    def __init__(self, named_params: list[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device):
-        offsets = [0] + list(itertools.accumulate(p.numel() for _, p in named_params))
-        self.layout = [(name, off, tuple(p.shape)) for (name, p), off in zip(named_params, offsets)]
+    def __init__(
+        self, named_params: list[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device
+    ):
+        offsets = [0, *list(itertools.accumulate(p.numel() for _, p in named_params))]
+        self.layout = [
+            (name, off, tuple(p.shape))
+            for (name, p), off in zip(named_params, offsets, strict=True)
+        ]
         self.flat = torch.empty(offsets[-1], dtype=dtype, device=device)
         if device.type == "cpu":
             self.flat.share_memory_()
@@ -54,14 +68,18 @@ class WeightStore:
         self.header[self.VERSION] = -1
 
     def views(self) -> list[tuple[str, torch.Tensor]]:
-        return [(name, self.flat[off:off + math.prod(shape)].view(shape)) for name, off, shape in self.layout]
+        return [
+            (name, self.flat[off : off + math.prod(shape)].view(shape))
+            for name, off, shape in self.layout
+        ]
 
     def version(self) -> int:
         return int(self.header[self.VERSION].item())
 
     @torch.no_grad()
-    def publish(self, named_params: list[tuple[str, torch.Tensor]], version: int,
-                probe_logp: float = 0.0) -> None:
+    def publish(
+        self, named_params: list[tuple[str, torch.Tensor]], version: int, probe_logp: float = 0.0
+    ) -> None:
         seq = self.header[self.SEQ].item()
         self.header[self.SEQ] = seq + 1  # odd: writing
         for (name, view), (pname, p) in zip(self.views(), named_params, strict=True):
@@ -79,7 +97,10 @@ class WeightStore:
         while time.monotonic() < deadline:
             seq = self.header[self.SEQ].item()
             if seq % 2 == 0:
-                version, probe = int(self.header[self.VERSION].item()), self.header[self.PROBE].item()
+                version, probe = (
+                    int(self.header[self.VERSION].item()),
+                    self.header[self.PROBE].item(),
+                )
                 load_fn(self.views())
                 if torch.cuda.is_available() and torch.cuda.is_initialized():
                     # Our copies (our stream, reading the store's device) must end before seq is
@@ -97,28 +118,53 @@ def make_weight_store(cfg: TBAConfig, model: torch.nn.Module, device: torch.devi
     if cfg.weight_store == "cuda" and device.type != "cuda":
         raise ValueError("weight_store=cuda needs the trainer on a CUDA device")
     on_gpu = cfg.weight_store == "cuda" or (cfg.weight_store == "auto" and device.type == "cuda")
-    return WeightStore(list(model.named_parameters()), cfg.torch_dtype(), device if on_gpu else torch.device("cpu"))
+    return WeightStore(
+        list(model.named_parameters()), cfg.torch_dtype(), device if on_gpu else torch.device("cpu")
+    )
 
 
 # ----------------------------------------------------------------------------- 2-5. the trainer
 
+
 class Trainer:
     """Model, optimizer, schedules and buffer: ``ready`` is step 2, ``train_step`` 3-4, ``publish`` 5."""
 
-    def __init__(self, cfg: TBAConfig, device: torch.device, pad_id: int, eos_id: int,
-                 probe: ParityProbe | None = None):
-        self.cfg, self.device, self.pad_id, self.eos_id, self.probe = cfg, device, pad_id, eos_id, probe
-        mixed = cfg.fp32_master_weights and cfg.dtype != "float32"  # else weights and moments in dtype
+    def __init__(
+        self,
+        cfg: TBAConfig,
+        device: torch.device,
+        pad_id: int,
+        eos_id: int,
+        probe: ParityProbe | None = None,
+    ):
+        self.cfg, self.device, self.pad_id, self.eos_id, self.probe = (
+            cfg,
+            device,
+            pad_id,
+            eos_id,
+            probe,
+        )
+        mixed = (
+            cfg.fp32_master_weights and cfg.dtype != "float32"
+        )  # else weights and moments in dtype
         dtype = torch.float32 if mixed else cfg.torch_dtype()
         self.model = load_causal_lm(cfg.model, dtype, device, cfg.trust_remote_code)
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.train()
-        self.autocast = torch.autocast(device.type, dtype=cfg.torch_dtype()) if mixed else contextlib.nullcontext()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.autocast = (
+            torch.autocast(device.type, dtype=cfg.torch_dtype())
+            if mixed
+            else contextlib.nullcontext()
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
         # Update t = 1, 2, ... runs at factor(t), as the released code steps the scheduler first.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: wsd_lr_factor(s + 1, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps))
+            self.optimizer,
+            lambda s: wsd_lr_factor(s + 1, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps),
+        )
         self.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.mop_prob, cfg.inv_temp, cfg.seed)
         self.step = 0  # optimizer steps done = the version of the current weights
         self.published: dict[int, float] = {}  # version -> weights checksum, with the parity probe
@@ -129,25 +175,40 @@ class Trainer:
         cfg = self.cfg
         if cfg.synchronous:
             return self.buffer.count_version(self.step) >= cfg.prompts_per_step
-        return (len(self.buffer) >= max(cfg.initial_samples, 1) and len(self.buffer.groups) >= cfg.prompts_per_step
-                and (cfg.max_lag < 0 or self.buffer.newest_version >= self.step - cfg.max_lag))
+        return (
+            len(self.buffer) >= max(cfg.initial_samples, 1)
+            and len(self.buffer.groups) >= cfg.prompts_per_step
+            and (cfg.max_lag < 0 or self.buffer.newest_version >= self.step - cfg.max_lag)
+        )
 
-    def backward(self, groups: list[list[Trajectory]], beta: float) -> tuple[float, list[float], float]:
+    def backward(
+        self, groups: list[list[Trajectory]], beta: float
+    ) -> tuple[float, list[float], float]:
         """4. Accumulate the gradient of tb_loss on the (P, K) batch into ``.grad``, in passes of
         micro_batch_size sequences rounded down to whole prompt groups. log Z is per prompt, so
         the passes' losses weighted by their share of the P groups sum to tb_loss on the whole
         batch, exactly. Returns (loss, log Z per prompt, mean log pi)."""
         cfg = self.cfg
-        per_pass = max(1, cfg.micro_batch_size // cfg.responses_per_prompt) if cfg.micro_batch_size else len(groups)
+        per_pass = (
+            max(1, cfg.micro_batch_size // cfg.responses_per_prompt)
+            if cfg.micro_batch_size
+            else len(groups)
+        )
         loss_sum, log_z, logp_sum = 0.0, [], 0.0
         for first in range(0, len(groups), per_pass):
-            chunk = groups[first:first + per_pass]
+            chunk = groups[first : first + per_pass]
             with self.autocast:
                 logp = group_logprobs(
-                    self.model, [g[0].prompt_tokens for g in chunk], [[t.response_tokens for t in g] for g in chunk],
-                    pad_id=self.pad_id, eos_id=self.eos_id, temperature=cfg.logprob_temperature(),
-                    include_eos=cfg.eos_in_logprob, share_prompt=not cfg.gradient_checkpointing,
-                    device=self.device)
+                    self.model,
+                    [g[0].prompt_tokens for g in chunk],
+                    [[t.response_tokens for t in g] for g in chunk],
+                    pad_id=self.pad_id,
+                    eos_id=self.eos_id,
+                    temperature=cfg.logprob_temperature(),
+                    include_eos=cfg.eos_in_logprob,
+                    share_prompt=not cfg.gradient_checkpointing,
+                    device=self.device,
+                )
             ref = torch.tensor([[t.ref_logprob for t in g] for g in chunk], device=self.device)
             reward = torch.tensor([[t.reward for t in g] for g in chunk], device=self.device)
             loss = tb_loss(logp, ref, reward, beta) * (len(chunk) / len(groups))
@@ -162,8 +223,11 @@ class Trainer:
         all of this version when synchronous); returns the step's metrics."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        groups, is_mop = self.buffer.sample(cfg.prompts_per_step, cfg.responses_per_prompt,  # 3.
-                                            version=self.step if cfg.synchronous else None)
+        groups, is_mop = self.buffer.sample(
+            cfg.prompts_per_step,
+            cfg.responses_per_prompt,  # 3.
+            version=self.step if cfg.synchronous else None,
+        )
         beta = beta_at(self.step, cfg.beta_start, cfg.beta_end, cfg.beta_anneal_steps)
         t1 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
@@ -171,7 +235,9 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if not torch.isfinite(grad_norm):
-            raise FloatingPointError(f"trainer step {self.step}: gradient norm is {grad_norm.item()}")
+            raise FloatingPointError(
+                f"trainer step {self.step}: gradient norm is {grad_norm.item()}"
+            )
         if cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, grad_norm)
         lr = self.scheduler.get_last_lr()[0]
@@ -181,19 +247,31 @@ class Trainer:
         t2 = time.perf_counter()
         trajs = [t for g in groups for t in g]
         lags = [self.step - 1 - t.version for t in trajs]
-        return {"loss/tb": loss, "loss/logz_mean": sum(log_z) / len(log_z), "policy/logp_mean": logp_mean,
-                "reward/mean": sum(t.reward for t in trajs) / len(trajs), "train/beta": beta, "train/lr": lr,
-                "train/grad_norm": grad_norm.item(), "async/lag_mean": sum(lags) / len(lags),
-                "async/lag_max": float(max(lags)), "async/lag_min": float(min(lags)),
-                "async/mop_frac": sum(is_mop) / len(is_mop), "time/sample": t1 - t0,
-                "time/forward_backward": t2 - t1, "throughput/samples_per_s": len(trajs) / (t2 - t0),
-                "throughput/tokens_per_s": sum(len(t.response_tokens) for t in trajs) / (t2 - t0)}
+        return {
+            "loss/tb": loss,
+            "loss/logz_mean": sum(log_z) / len(log_z),
+            "policy/logp_mean": logp_mean,
+            "reward/mean": sum(t.reward for t in trajs) / len(trajs),
+            "train/beta": beta,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm.item(),
+            "async/lag_mean": sum(lags) / len(lags),
+            "async/lag_max": float(max(lags)),
+            "async/lag_min": float(min(lags)),
+            "async/mop_frac": sum(is_mop) / len(is_mop),
+            "time/sample": t1 - t0,
+            "time/forward_backward": t2 - t1,
+            "throughput/samples_per_s": len(trajs) / (t2 - t0),
+            "throughput/tokens_per_s": sum(len(t.response_tokens) for t in trajs) / (t2 - t0),
+        }
 
     def publish(self, store: WeightStore) -> float:
         """5. Copy the weights into the store as version ``step``; returns the seconds taken."""
         t0 = time.perf_counter()
         with self.autocast:
-            probe_logp = self.probe.logprob(self.model, self.pad_id, self.device) if self.probe else 0.0
+            probe_logp = (
+                self.probe.logprob(self.model, self.pad_id, self.device) if self.probe else 0.0
+            )
         store.publish(list(self.model.named_parameters()), self.step, probe_logp)
         self.buffer.mark_sync()  # most-on-policy now means refreshed after this publish
         if self.probe is not None:
@@ -203,9 +281,14 @@ class Trainer:
     def save(self, path: Path) -> None:
         """A resumable checkpoint of tensors and plain containers, written atomically (temporary
         file, fsync, rename), so a kill during a save never breaks the latest checkpoint."""
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "step": self.step,
-                 "buffer": self.buffer.state_dict(), "torch_rng": torch.get_rng_state()}
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "buffer": self.buffer.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+        }
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
             torch.save({"trainer": state, "config": dataclasses.asdict(self.cfg)}, f)
@@ -224,6 +307,7 @@ class Trainer:
 
 # ----------------------------------------------------------------------------- 1. the searchers
 
+
 class SearcherFailed(RuntimeError):
     """A searcher raised or died, and no restarts are left."""
 
@@ -232,16 +316,29 @@ class SearcherPool:
     """Starts, watches, restarts and stops the searcher processes, and collects what they send:
     trajectories for the buffer, and statistics for the metrics (``metrics``)."""
 
-    def __init__(self, cfg: TBAConfig, examples: list[dict], reward_fn: Callable, store: WeightStore,
-                 probe: ParityProbe | None, log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        cfg: TBAConfig,
+        examples: list[dict],
+        reward_fn: Callable,
+        store: WeightStore,
+        probe: ParityProbe | None,
+        log: Callable[[str], None] = print,
+    ):
         self.cfg, self.log = cfg, log
         self.ctx = mp.get_context("spawn")
         self.queue, self.stop_event = self.ctx.Queue(maxsize=cfg.queue_size), self.ctx.Event()
-        shards = [examples[r::cfg.num_searchers] for r in range(cfg.num_searchers)]  # disjoint prompts
+        shards = [
+            examples[r :: cfg.num_searchers] for r in range(cfg.num_searchers)
+        ]  # disjoint prompts
         if any(not shard for shard in shards):
-            raise ValueError(f"{len(examples)} prompts cannot be split over {cfg.num_searchers} searchers")
-        self.args = [(r, cfg, shards[r], reward_fn, store, self.queue, self.stop_event, probe)
-                     for r in range(cfg.num_searchers)]  # what searcher_main r gets
+            raise ValueError(
+                f"{len(examples)} prompts cannot be split over {cfg.num_searchers} searchers"
+            )
+        self.args = [
+            (r, cfg, shards[r], reward_fn, store, self.queue, self.stop_event, probe)
+            for r in range(cfg.num_searchers)
+        ]  # what searcher_main r gets
         self.procs: list = [None] * cfg.num_searchers
         self.restarts, self.last_error = 0, {}
         self.first_ready_at: float | None = None  # time.time() when a searcher could first generate
@@ -249,8 +346,10 @@ class SearcherPool:
         self.latest: dict[int, dict] = {}  # rank -> stats of its newest batch
 
     def start(self, rank: int | None = None) -> None:
-        for r in ([rank] if rank is not None else range(self.cfg.num_searchers)):
-            self.procs[r] = self.ctx.Process(target=searcher_main, name=f"tba-searcher-{r}", args=self.args[r])
+        for r in [rank] if rank is not None else range(self.cfg.num_searchers):
+            self.procs[r] = self.ctx.Process(
+                target=searcher_main, name=f"tba-searcher-{r}", args=self.args[r]
+            )
             self.procs[r].start()
 
     def _failed(self, rank: int, why: str) -> None:
@@ -258,9 +357,14 @@ class SearcherPool:
         self.procs[rank].join(timeout=5.0)
         self.procs[rank].kill()  # a no-op when it has exited
         self.procs[rank].join(timeout=5.0)
-        error, limit = self.last_error.get(rank, "(no traceback: the process died)"), self.cfg.max_searcher_restarts
+        error, limit = (
+            self.last_error.get(rank, "(no traceback: the process died)"),
+            self.cfg.max_searcher_restarts,
+        )
         if self.restarts >= limit:
-            raise SearcherFailed(f"searcher {rank} failed ({why}); {self.restarts} restarts used of {limit}:\n{error}")
+            raise SearcherFailed(
+                f"searcher {rank} failed ({why}); {self.restarts} restarts used of {limit}:\n{error}"
+            )
         self.restarts += 1
         self.log(f"searcher {rank} failed ({why}); restart {self.restarts}/{limit}:\n{error}")
         self.start(rank)
@@ -287,15 +391,23 @@ class SearcherPool:
     def metrics(self) -> dict[str, float]:
         """Means of the timings of the batches that arrived since the last call (so present only
         when async/batches_in > 0), and what each searcher last reported."""
-        out = {"async/batches_in": float(len(self.arrived)), "async/searcher_restarts": float(self.restarts)}
+        out = {
+            "async/batches_in": float(len(self.arrived)),
+            "async/searcher_restarts": float(self.restarts),
+        }
         with contextlib.suppress(NotImplementedError):  # qsize is missing on macOS
             out["async/queue_depth"] = float(self.queue.qsize())
         for key in ("generate", "reward", "reference", "load") if self.arrived else ():
             out[f"time/{key}"] = sum(s[f"{key}_s"] for s in self.arrived) / len(self.arrived)
         self.arrived = []
         for rank, latest in sorted(self.latest.items()):
-            out.update({f"searcher{rank}/{key}": float(latest[key]) for key in
-                        ("busy_frac", "version", "peak_mem_gb", "checksum") if latest.get(key) is not None})
+            out.update(
+                {
+                    f"searcher{rank}/{key}": float(latest[key])
+                    for key in ("busy_frac", "version", "peak_mem_gb", "checksum")
+                    if latest.get(key) is not None
+                }
+            )
         return out
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -316,7 +428,9 @@ class SearcherPool:
         """Every message waiting, after up to ``timeout`` seconds for the first."""
         messages = []
         with contextlib.suppress(queue_lib.Empty):
-            messages.append(self.queue.get(timeout=timeout) if timeout > 0 else self.queue.get_nowait())
+            messages.append(
+                self.queue.get(timeout=timeout) if timeout > 0 else self.queue.get_nowait()
+            )
             while True:
                 messages.append(self.queue.get_nowait())
         return messages
@@ -324,12 +438,19 @@ class SearcherPool:
 
 # ----------------------------------------------------------------------------- the run
 
+
 def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
-            on_step: Callable[[Trainer, dict], None] | None = None, show_progress: bool = True) -> Trainer:
+def run_tba(
+    cfg: TBAConfig,
+    examples: list[dict],
+    reward_fn: Callable,
+    *,
+    on_step: Callable[[Trainer, dict], None] | None = None,
+    show_progress: bool = True,
+) -> Trainer:
     """Run TBA: searchers in child processes, the trainer here. Returns the trained Trainer.
 
     ``examples`` are dicts with ``id`` and ``prompt`` (text) plus what ``reward_fn`` reads.
@@ -340,26 +461,45 @@ def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads_per_process())
     tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    probe = (ParityProbe.from_prompt(tokenizer(examples[0]["prompt"])["input_ids"], cfg.parity_tol)
-             if cfg.parity_check else None)
+    probe = (
+        ParityProbe.from_prompt(tokenizer(examples[0]["prompt"])["input_ids"], cfg.parity_tol)
+        if cfg.parity_check
+        else None
+    )
     trainer = Trainer(cfg, device, pad_token_id(tokenizer), tokenizer.eos_token_id, probe)
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    ckpt_path, metrics_path = Path(cfg.output_dir) / "checkpoint.pt", Path(cfg.output_dir) / "metrics.jsonl"
+    ckpt_path, metrics_path = (
+        Path(cfg.output_dir) / "checkpoint.pt",
+        Path(cfg.output_dir) / "metrics.jsonl",
+    )
     rows = metrics_path.read_text().splitlines() if cfg.resume and metrics_path.exists() else []
     if cfg.resume and ckpt_path.exists():
         trainer.load(ckpt_path)
     if cfg.resume:
-        tqdm.write(f"resumed from {ckpt_path} at step {trainer.step}" if ckpt_path.exists()
-                   else f"--resume: no checkpoint at {ckpt_path}; starting from step 0")
+        tqdm.write(
+            f"resumed from {ckpt_path} at step {trainer.step}"
+            if ckpt_path.exists()
+            else f"--resume: no checkpoint at {ckpt_path}; starting from step 0"
+        )
     # A resumed log keeps the rows up to the checkpoint; a fresh run starts a fresh log.
-    metrics_path.write_text("".join(r + "\n" for r in rows if r.strip() and json.loads(r)["step"] <= trainer.step))
+    metrics_path.write_text(
+        "".join(r + "\n" for r in rows if r.strip() and json.loads(r)["step"] <= trainer.step)
+    )
     store = make_weight_store(cfg, trainer.model, device)
     trainer.publish(store)  # the current weights, before any searcher starts
     pool = SearcherPool(cfg, examples, reward_fn, store, probe, log=tqdm.write)
     # Ctrl-C and SIGTERM end the run cleanly (set both: a background process inherits SIGINT ignored).
-    old_handlers = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    bar = tqdm(total=cfg.total_steps, initial=trainer.step, desc="TBA", disable=not show_progress,
-               dynamic_ncols=True)
+    old_handlers = {
+        sig: signal.signal(sig, _raise_keyboard_interrupt)
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    bar = tqdm(
+        total=cfg.total_steps,
+        initial=trainer.step,
+        desc="TBA",
+        disable=not show_progress,
+        dynamic_ncols=True,
+    )
     try:
         pool.start()  # 1. the searchers run from here on, in their own processes
         with open(metrics_path, "a") as metrics_file:
@@ -370,27 +510,45 @@ def run_tba(cfg: TBAConfig, examples: list[dict], reward_fn: Callable, *,
                 deadline = time.monotonic() + cfg.timeout_s
                 while not trainer.ready():
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"trainer waited {cfg.timeout_s}s for data at step {trainer.step}: "
-                                           f"{len(trainer.buffer)} trajectories, the newest of version "
-                                           f"{trainer.buffer.newest_version}")
+                        raise TimeoutError(
+                            f"trainer waited {cfg.timeout_s}s for data at step {trainer.step}: "
+                            f"{len(trainer.buffer)} trajectories, the newest of version "
+                            f"{trainer.buffer.newest_version}"
+                        )
                     trainer.buffer.extend(pool.collect(timeout=0.2))
                 wait_s = time.perf_counter() - t0
                 metrics = trainer.train_step()  # 3-4. sample, TB loss, AdamW step
                 publish = cfg.synchronous or trainer.step % cfg.sync_every == 0
                 publish_s = trainer.publish(store) if publish else 0.0  # 5. publish every k steps
                 # wall_time counts from the first searcher ready to generate: start-up is not training.
-                metrics = {"step": trainer.step, "wall_time": time.time() - (pool.first_ready_at or time.time()),
-                           **metrics, **trainer.buffer.stats(trainer.step), **pool.metrics(),
-                           "time/wait": wait_s, "time/publish": publish_s,
-                           "memory/trainer_peak_gb": peak_memory_gb(device), "time/step": time.perf_counter() - t0}
+                metrics = {
+                    "step": trainer.step,
+                    "wall_time": time.time() - (pool.first_ready_at or time.time()),
+                    **metrics,
+                    **trainer.buffer.stats(trainer.step),
+                    **pool.metrics(),
+                    "time/wait": wait_s,
+                    "time/publish": publish_s,
+                    "memory/trainer_peak_gb": peak_memory_gb(device),
+                    "time/step": time.perf_counter() - t0,
+                }
                 if on_step is not None:
                     on_step(trainer, metrics)
                 print(json.dumps(metrics), file=metrics_file, flush=True)
                 if trainer.step % (cfg.checkpoint_every or cfg.sync_every) == 0:
                     trainer.save(ckpt_path)
                 bar.update(1)
-                bar.set_postfix({short: f"{metrics[k]:.3g}" for short, k in (("reward", "reward/mean"),
-                                 ("acc", "eval/accuracy"), ("lag", "async/lag_mean")) if k in metrics})
+                bar.set_postfix(
+                    {
+                        short: f"{metrics[k]:.3g}"
+                        for short, k in (
+                            ("reward", "reward/mean"),
+                            ("acc", "eval/accuracy"),
+                            ("lag", "async/lag_mean"),
+                        )
+                        if k in metrics
+                    }
+                )
     finally:
         bar.close()
         for sig, handler in old_handlers.items():
