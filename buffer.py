@@ -11,7 +11,10 @@ This file imports nothing from the project (standard library only), so it can be
   drawn by softmax(reward * inv_temp) (0 = uniform).
 * MOP prompts are those refreshed (given new items) since the latest weight sync, which the
   trainer announces with ``mark_sync()``; when fewer than P prompts were refreshed, the P most
-  recently refreshed ones. The official code's barrier delivers a sync interval's data at once;
+  recently refreshed ones. Contract: call ``mark_sync()`` every time new weights are
+  published. Without it "refreshed since the sync" means "ever refreshed", so MOP draws become
+  uniform over every prompt and m loses its meaning (``stats()`` reports ``buffer/fresh`` to
+  make this visible). The official code's barrier delivers a sync interval's data at once;
   without a barrier data trickles in, and the fallback keeps every MOP draw possible, so the
   realised MOP fraction is m.
 * Prompts are drawn without replacement, cycling through each pool before repeating (as the
@@ -23,6 +26,7 @@ This file imports nothing from the project (standard library only), so it can be
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -70,7 +74,8 @@ class ReplayBuffer:
     # ------------------------------------------------------------------ adding
 
     def add(self, traj: Trajectory) -> None:
-        """Insert one trajectory: dedup by response tokens (newest kept), then evict oldest."""
+        """Insert one trajectory: dedup by response tokens (newest kept), then evict oldest.
+        The buffer stores its own copy of the record; the caller's object is not changed."""
         if not math.isfinite(traj.reward):
             raise ValueError(
                 f"ReplayBuffer.add: non-finite reward {traj.reward} for prompt {traj.prompt_id!r}"
@@ -79,7 +84,7 @@ class ReplayBuffer:
         self.groups[traj.prompt_id] = group  # re-inserted last: the most recently refreshed
         self._fresh.add(traj.prompt_id)
         if group:  # one prompt-token list per prompt, not one per trajectory (bounded memory)
-            traj.prompt_tokens = group[0].prompt_tokens
+            traj = dataclasses.replace(traj, prompt_tokens=group[0].prompt_tokens)
         key = tuple(traj.response_tokens)
         gone = [t for t in group if tuple(t.response_tokens) == key]
         group[:] = [t for t in group if tuple(t.response_tokens) != key] + [traj]
@@ -202,6 +207,7 @@ class ReplayBuffer:
             "buffer/prompts": float(len(self.groups)),
             "buffer/trajectories": float(total),
             "buffer/frac_newest": self._per_version[self.newest_version] / total if total else 0.0,
+            "buffer/fresh": float(len(self._fresh)),
         }
         if current_version is not None and total:
             out["buffer/lag_mean"] = (
@@ -219,7 +225,7 @@ class ReplayBuffer:
             "rng": _rng_state_to_list(self.rng.getstate()),
             "num_added": self.num_added,
             "newest_version": self.newest_version,
-            # vars() not asdict(): asdict deep-copies every token list (70x slower at 6k items)
+            # vars() not asdict(): asdict deep-copies every token list, many times slower
             "groups": [[pid, [dict(vars(t)) for t in g]] for pid, g in self.groups.items()],
             "fresh": [pid for pid in self.groups if pid in self._fresh],
             "mop_drawn": [pid for pid in self.groups if pid in self._mop_drawn],

@@ -93,7 +93,7 @@ TINY_PRESET: dict = dict(
     eval_batch_size=100,
     checkpoint_every=0,
     timeout_s=300.0,
-    torch_threads=1,  # tiny ops: a 2nd thread only spins (34x slower if a core is busy)
+    torch_threads=1,  # tiny ops: a 2nd thread only spins, and slows badly when a core is busy
 )
 TINY_DATA = dict(train=4000, test=200, digits=2)  # synthetic problems (train / held-out test)
 TINY_MODEL = dict(hidden=64, layers=2, heads=2)  # tiny Llama over the char vocabulary
@@ -171,6 +171,44 @@ def build_tiny_model(
         tie_word_embeddings=tied,
     )
     return LlamaForCausalLM(config)
+
+
+def save_tiny_model(
+    path: str | Path, hidden: int = 64, layers: int = 2, heads: int = 2, tied: bool = True
+) -> str:
+    """Build the character tokenizer and a tiny Llama over it and save both to ``path`` (for
+    tests, benchmarks and ``--model``); returns the path as a string."""
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, hidden=hidden, layers=layers, heads=heads, tied=tied)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def tiny_task() -> tuple[list[dict], list[dict], list[dict]]:
+    """The tiny preset's (train, test, validation) examples: disjoint seeds, the same digits."""
+    digits = TINY_DATA["digits"]
+    train = to_examples(synthetic_problems(TINY_DATA["train"], seed=1, digits=digits))
+    test = to_examples(synthetic_problems(TINY_DATA["test"], seed=2, digits=digits))
+    val = to_examples(synthetic_problems(TINY_WARM_START["val"], seed=3, digits=digits))
+    return train, test, val
+
+
+def cpu_config(model: str, **overrides) -> TBAConfig:
+    """A TBAConfig for one CPU: fp32, trainer and searchers on ``cpu``, the transformers engine,
+    shared-memory weights, one thread per process; ``overrides`` set any other field."""
+    values = dict(
+        model=model,
+        dtype="float32",
+        trainer_device="cpu",
+        searcher_devices="cpu",
+        engine="hf",
+        weight_store="shared_memory",
+        num_searchers=1,
+        torch_threads=1,
+    )
+    values.update(overrides)
+    return TBAConfig(**values)
 
 
 def read_gsm8k_jsonl(path: Path) -> list[dict]:
@@ -346,12 +384,8 @@ def tiny_warm_start(out_dir: Path, train: list[dict], val: list[dict], seed: int
         )
         for ex in train
     ]
-    cfg = TBAConfig(
-        model="",
-        dtype="float32",
-        trainer_device="cpu",
-        searcher_devices="cpu",
-        num_searchers=1,
+    cfg = cpu_config(
+        "",
         max_new_tokens=TINY_PRESET["max_new_tokens"],
         eval_batch_size=TINY_PRESET["eval_batch_size"],
     )
@@ -416,7 +450,8 @@ def choose_preset(name: str) -> tuple[str, dict]:
 def run_summary(out_dir: Path, mop_prob: float) -> dict:
     """What a first run on new hardware must tell: seconds per step, the initial fill, peak
     memory of every process, the realised most-on-policy fraction and the lag (metrics.jsonl)."""
-    rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
     peaks = {"trainer": max(r["memory/trainer_peak_gb"] for r in rows)}
     for key in sorted({k for r in rows for k in r if k.endswith("/peak_mem_gb")}):
         peaks[key.split("/")[0]] = max(r[key] for r in rows if key in r)
@@ -464,15 +499,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     if preset == "tiny":
         out_dir = Path(args.output_dir or base["output_dir"])
-        train = to_examples(
-            synthetic_problems(TINY_DATA["train"], seed=1, digits=TINY_DATA["digits"])
-        )
-        test = to_examples(
-            synthetic_problems(TINY_DATA["test"], seed=2, digits=TINY_DATA["digits"])
-        )
-        val = to_examples(
-            synthetic_problems(TINY_WARM_START["val"], seed=3, digits=TINY_DATA["digits"])
-        )
+        train, test, val = tiny_task()
         base["model"] = args.model or tiny_warm_start(out_dir, train, val, seed=args.seed or 0)
     cfg = config_from_args(args, base)
     out_dir = Path(cfg.output_dir)

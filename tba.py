@@ -58,6 +58,8 @@ import dataclasses
 import math
 import os
 import resource
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -72,7 +74,17 @@ def tb_loss(
 
     Shapes: ``logp``, ``ref_logp``, ``reward`` are float tensors (P, K) -- K responses to each
     of P prompts. ``logp`` = log pi_theta(y|x) summed over response tokens (carries the
-    gradient), ``ref_logp`` = log p_ref(y|x) likewise, ``reward`` = r(x, y). Returns a scalar.
+    gradient), ``ref_logp`` = log p_ref(y|x) likewise, ``reward`` = r(x, y). Returns a scalar
+    in fp32.
+
+    Contract for a copier:
+      * ``logp`` and ``ref_logp`` must be scored by the same rule: the same temperature (logits
+        / T on both sides, or neither) and the same tokens (a final EOS scored on both sides,
+        or on neither). Any mismatch adds a per-response offset to d that the loss then trains
+        into the policy. ``group_logprobs`` below is that rule, used on both sides here.
+      * The arithmetic runs in fp32 at least, whatever the input dtype: r / beta reaches 250 in the
+        paper preset, where a bf16 number is only good to about 1 (8 bits of mantissa), so a
+        bf16 d would lose whole nats of the signal.
 
         d_ij    = logp_ij - ref_logp_ij - reward_ij / beta
         logZ_i  = -mean_j d_ij                    (detached)
@@ -100,7 +112,7 @@ def tb_loss(
         raise ValueError("tb_loss: K must be >= 2 (with one response per prompt the loss is 0)")
     if beta <= 0:
         raise ValueError(f"tb_loss: beta must be > 0, got {beta}")
-    d = logp - ref_logp - reward / beta
+    d = _tb_residual(logp, ref_logp, reward, beta)
     log_z = -d.mean(dim=1, keepdim=True).detach()
     return (log_z + d).pow(2).mean()
 
@@ -109,7 +121,15 @@ def tb_log_z(
     logp: torch.Tensor, ref_logp: torch.Tensor, reward: torch.Tensor, beta: float
 ) -> torch.Tensor:
     """The per-prompt VarGrad log Z (P,) used inside ``tb_loss``; for metrics."""
-    return -(logp - ref_logp - reward / beta).mean(dim=1).detach()
+    return -_tb_residual(logp, ref_logp, reward, beta).mean(dim=1).detach()
+
+
+def _tb_residual(
+    logp: torch.Tensor, ref_logp: torch.Tensor, reward: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """d = logp - ref_logp - reward / beta in fp32 at least (fp64 stays fp64)."""
+    wide = torch.promote_types(logp.dtype, torch.float32)
+    return logp.to(wide) - ref_logp.to(wide) - reward.to(wide) / beta
 
 
 def beta_at(step: int, start: float, end: float, anneal_steps: int) -> float:
@@ -219,9 +239,9 @@ def group_logprobs(
     sides of d always match.
 
     ``share_prompt``: each prompt runs once and its KV cache is repeated for its K responses,
-    instead of K forwards of prompt + response (2.2x faster on the tiny preset, whose prompts
-    are longer than its answers; equal up to float rounding, gradients included). Turn it off
-    under gradient checkpointing, which drops the cache.
+    instead of K forwards of prompt + response: faster where prompts are longer than answers
+    (OPERATIONS.md has the figure), and equal up to float rounding, gradients included. Turn it
+    off under gradient checkpointing, which drops the cache.
     """
     size = len(groups[0])
     if any(len(g) != size for g in groups):
@@ -284,6 +304,104 @@ def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_reserved(device) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
+
+# ----------------------------------------------------------------------------- 5. the weight store
+
+
+class WeightStore:
+    """Named tensors mirrored into one flat shared tensor, with a version. Needs only torch;
+    this module imports nothing else at import time, so copy the class or import it.
+
+    The storage is a CUDA tensor on the trainer's GPU (opened by CUDA IPC where another process
+    unpickles the store) or shared CPU memory: a publish is one device copy, nothing pickled.
+    Pass the store to a ``torch.multiprocessing`` child (spawn) as an argument.
+
+    Consistency is a seqlock that never blocks the writer: ``publish`` makes ``seq`` odd,
+    copies, then makes it even; ``load_into`` retries when ``seq`` was odd or has changed.
+    With the weights goes one float, the parity probe's log-prob (searcher.ParityProbe).
+
+    Contract of ``load_into(load_fn)`` for a reader:
+      * ``load_fn`` receives live views of the shared storage, not copies: it must copy what it
+        keeps (``param.copy_(view)``), and must not keep or modify the views.
+      * It may run more than once for one call: a publish that overlapped the read makes the
+        copy torn, and the read is retried. So it must be idempotent (a plain copy is).
+      * What it copied is consistent (one version) only once ``load_into`` has returned.
+    One writer at a time (the trainer); any number of readers.
+    """
+
+    SEQ = 0  # the slots of ``header``
+    VERSION = 1
+    PROBE = 2
+
+    def __init__(
+        self, named_params: list[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device
+    ):
+        self.layout = []  # (name, offset into flat, shape)
+        offset = 0
+        for name, param in named_params:
+            self.layout.append((name, offset, tuple(param.shape)))
+            offset += param.numel()
+        self.flat = torch.empty(offset, dtype=dtype, device=device)
+        if device.type == "cpu":
+            self.flat.share_memory_()
+        self.header = torch.zeros(3, dtype=torch.float64).share_memory_()
+        self.header[self.VERSION] = -1
+
+    def views(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, view) pairs into the shared storage, in publish order."""
+        views = []
+        for name, offset, shape in self.layout:
+            views.append((name, self.flat[offset : offset + math.prod(shape)].view(shape)))
+        return views
+
+    def version(self) -> int:
+        """The newest published version, -1 before the first publish."""
+        return int(self.header[self.VERSION].item())
+
+    @torch.no_grad()
+    def publish(
+        self, named_params: list[tuple[str, torch.Tensor]], version: int, probe_logp: float = 0.0
+    ) -> None:
+        """Copy ``named_params`` (the same names and order as at construction) in as ``version``."""
+        seq = self.header[self.SEQ].item()
+        self.header[self.SEQ] = seq + 1  # odd: writing
+        for (name, view), (param_name, param) in zip(self.views(), named_params, strict=True):
+            if name != param_name:
+                raise RuntimeError(
+                    f"WeightStore.publish: parameter {param_name} where {name} expected"
+                )
+            view.copy_(param.detach())
+        if self.flat.is_cuda:
+            torch.cuda.synchronize(self.flat.device)  # bytes land before readers may look
+        self.header[self.PROBE] = probe_logp
+        self.header[self.VERSION] = version
+        self.header[self.SEQ] = seq + 2  # even: stable
+
+    def load_into(
+        self,
+        load_fn: Callable[[list[tuple[str, torch.Tensor]]], None],
+        timeout_s: float = 60.0,
+    ) -> tuple[int, float]:
+        """Run ``load_fn(views)`` on one consistent version (see the class docstring for what
+        ``load_fn`` may do); returns (version, probe log-prob)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            seq = self.header[self.SEQ].item()
+            if seq % 2 == 0:
+                version = int(self.header[self.VERSION].item())
+                probe = self.header[self.PROBE].item()
+                load_fn(self.views())
+                if torch.cuda.is_available() and torch.cuda.is_initialized():
+                    # Our copies (our stream, reading the store's device) must end before seq is
+                    # re-checked, or a torn read could pass the check.
+                    torch.cuda.synchronize()
+                    if self.flat.is_cuda:
+                        torch.cuda.synchronize(self.flat.device)
+                if self.header[self.SEQ].item() == seq:
+                    return version, probe
+            time.sleep(0.001)
+        raise TimeoutError(f"WeightStore: no consistent read within {timeout_s}s")
 
 
 # ----------------------------------------------------------------------------- the config
@@ -426,54 +544,46 @@ class TBAConfig:
             if not ok:
                 raise ValueError(f"TBAConfig: {msg}")
 
-        rules = (
-            (
-                lambda v: v >= 1,
-                ">= 1",
-                (
-                    "num_searchers",
-                    "num_generations",
-                    "prompts_per_step",
-                    "searcher_batch_prompts",
-                    "max_new_tokens",
-                    "total_steps",
-                    "sync_every",
-                    "buffer_capacity",
-                    "queue_size",
-                    "eval_batch_size",
-                ),
-            ),
-            (
-                lambda v: v >= 0,
-                ">= 0",
-                (
-                    "warmup_steps",
-                    "stable_steps",
-                    "decay_steps",
-                    "beta_anneal_steps",
-                    "initial_samples",
-                    "eval_every",
-                    "eval_subset",
-                    "weight_decay",
-                    "max_searcher_restarts",
-                    "torch_threads",
-                    "checkpoint_every",
-                    "eval_samples",
-                    "eval_test_size",
-                    "micro_batch_size",
-                    "max_grad_norm",
-                    "inv_temp",
-                ),
-            ),
-            (
-                lambda v: v > 0,
-                "> 0",
-                ("beta_start", "beta_end", "lr", "temperature", "timeout_s", "parity_tol"),
-            ),
+        at_least_one = (
+            "num_searchers",
+            "num_generations",
+            "prompts_per_step",
+            "searcher_batch_prompts",
+            "max_new_tokens",
+            "total_steps",
+            "sync_every",
+            "buffer_capacity",
+            "queue_size",
+            "eval_batch_size",
         )
-        for ok, rule, names in rules:
-            for name in names:
-                need(ok(getattr(self, name)), f"{name} must be {rule}, got {getattr(self, name)}")
+        non_negative = (
+            "warmup_steps",
+            "stable_steps",
+            "decay_steps",
+            "beta_anneal_steps",
+            "initial_samples",
+            "eval_every",
+            "eval_subset",
+            "weight_decay",
+            "max_searcher_restarts",
+            "torch_threads",
+            "checkpoint_every",
+            "eval_samples",
+            "eval_test_size",
+            "micro_batch_size",
+            "max_grad_norm",
+            "inv_temp",
+        )
+        positive = ("beta_start", "beta_end", "lr", "temperature", "timeout_s", "parity_tol")
+        for name in at_least_one:
+            value = getattr(self, name)
+            need(value >= 1, f"{name} must be >= 1, got {value}")
+        for name in non_negative:
+            value = getattr(self, name)
+            need(value >= 0, f"{name} must be >= 0, got {value}")
+        for name in positive:
+            value = getattr(self, name)
+            need(value > 0, f"{name} must be > 0, got {value}")
         need(
             2 <= self.responses_per_prompt <= self.buffer_capacity,
             "responses_per_prompt (K) must be >= 2 "
@@ -481,14 +591,15 @@ class TBAConfig:
         )
         need(
             self.num_generations <= self.buffer_capacity,
-            f"num_generations ({self.num_generations}) must be "
-            f"<= buffer_capacity ({self.buffer_capacity}), or one generate call evicts its own samples",
+            f"num_generations ({self.num_generations}) must be <= buffer_capacity "
+            f"({self.buffer_capacity}), or one generate call evicts its own samples",
         )
         need(0.0 <= self.mop_prob <= 1.0, f"mop_prob must be in [0, 1], got {self.mop_prob}")
         need(
             self.max_lag == -1 or self.max_lag >= self.sync_every - 1,
-            f"max_lag must be -1 (no bound) or >= sync_every - 1 = {self.sync_every - 1}: only every "
-            "k-th version is published, so a tighter bound can never be met",
+            "max_lag must be -1 (no bound) or >= sync_every - 1 = "
+            f"{self.sync_every - 1}: only every k-th version is published, so a tighter bound "
+            "can never be met",
         )
         need(
             self.warmup_steps + self.stable_steps + self.decay_steps >= 1,
@@ -503,10 +614,11 @@ class TBAConfig:
                 getattr(self, name) in allowed,
                 f"{name} {getattr(self, name)!r} is not one of {allowed}",
             )
+        devices = len(self.searcher_device_list())
         need(
-            len(self.searcher_device_list()) in (1, self.num_searchers),
-            f"searcher_devices lists "
-            f"{len(self.searcher_device_list())} devices for {self.num_searchers} searchers (one each, or one)",
+            devices in (1, self.num_searchers),
+            f"searcher_devices lists {devices} devices for {self.num_searchers} searchers "
+            "(one each, or one)",
         )
         need(
             not self.synchronous

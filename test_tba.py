@@ -39,16 +39,18 @@ from rewards import RewardModelReward, extract_answer, gsm8k_reward
 from run_gsm8k import (
     Evaluator,
     build_char_tokenizer,
-    build_tiny_model,
+    cpu_config,
     load_gsm8k,
     main,
     read_gsm8k_jsonl,
+    save_tiny_model,
     synthetic_problems,
     to_examples,
 )
 from searcher import HFEngine, Searcher, VLLMEngine
 from tba import (
     TBAConfig,
+    WeightStore,
     beta_at,
     config_argparser,
     config_from_args,
@@ -59,11 +61,11 @@ from tba import (
     tb_loss,
     wsd_lr_factor,
 )
-from trainer import SearcherFailed, Trainer, WeightStore, run_tba
+from trainer import SearcherFailed, Trainer, run_tba
 
 REPO = Path(__file__).resolve().parent
 
-# =============================================================================== the loss
+# ========================================================================================= the loss
 
 
 def slow_tb_loss(logp, ref_logp, reward, beta):
@@ -88,6 +90,20 @@ def test_tb_loss_matches_slow_loop():
         got = tb_loss(logp, ref, reward, beta).item()
         assert got == pytest.approx(want, rel=1e-10, abs=1e-9)
         assert tb_log_z(logp, ref, reward, beta).shape == (p,)
+
+
+def test_tb_loss_computes_in_fp32_from_bf16_inputs():
+    """r / beta of 250 is good to about 1 in bf16: the loss must widen before subtracting."""
+    logp = torch.tensor([[-30.0, -31.0, -29.5]], dtype=torch.bfloat16, requires_grad=True)
+    ref = torch.tensor([[-30.5, -30.0, -29.0]], dtype=torch.bfloat16)
+    reward = torch.tensor([[1.0, 0.0, 1.0]], dtype=torch.bfloat16)
+    beta = 0.004
+    loss = tb_loss(logp, ref, reward, beta)
+    want = tb_loss(logp.detach().float(), ref.float(), reward.float(), beta)
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    loss.backward()
+    assert logp.grad is not None and logp.grad.dtype == torch.bfloat16
 
 
 def test_tb_loss_rejects_bad_shapes():
@@ -135,7 +151,8 @@ class TabularPolicy(torch.nn.Module):
 
 
 def test_tb_gradient_on_policy_equals_reinforce_with_mean_baseline():
-    """Paper App. A: grad tb_loss = -(2/beta) * REINFORCE(mean baseline) on R = r - beta log(pi/ref)."""
+    """Paper App. A: grad tb_loss = -(2/beta) * REINFORCE(mean baseline) on
+    R = r - beta log(pi/ref)."""
     beta, p, k = 0.3, 4, 6
     policy, ref = TabularPolicy(3, 3, scale=1.0, seed=1), TabularPolicy(3, 3, scale=1.0, seed=2)
     gen = torch.Generator().manual_seed(3)
@@ -299,7 +316,7 @@ def test_group_logprobs_shared_prompt_equals_one_forward_per_row(tiny_model_dir,
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-# =============================================================================== schedules, config
+# ================================================================================ schedules, config
 
 
 def test_schedules_are_the_released_runs():
@@ -362,7 +379,7 @@ def test_config_validation_and_cli():
     assert not cfg.tempered_logprobs
 
 
-# =============================================================================== replay buffer
+# ==================================================================================== replay buffer
 
 
 def traj(pid, tokens, reward=0.0, version=0):
@@ -432,6 +449,7 @@ def test_buffer_mop_prompts_are_those_refreshed_since_the_latest_sync():
     assert all(is_mop) and {g[0].prompt_id for g in groups} == {5, 38, 39}
 
 
+@pytest.mark.slow
 def test_mop_fraction_is_realised_at_the_paper_shape(tiny_model_dir):
     """Simulated searchers at the paper's shape feed the real Trainer as run_tba does: 3
     searchers of different speeds (a batch of 3 prompts x 24 every 1, 1.7 and 2.9 trainer
@@ -520,7 +538,7 @@ def test_buffer_state_round_trip(tmp_path):
         assert a[1] == b[1]
 
 
-# =============================================================================== rewards
+# ========================================================================================== rewards
 
 
 def test_gsm8k_ships_with_the_repository_and_every_gold_answer_scores():
@@ -594,14 +612,14 @@ def test_searcher_takes_any_real_number_as_a_reward_and_names_the_prompt_of_a_ba
     tok = build_char_tokenizer()
     for value, want in ((True, 1.0), (False, 0.0), (3, 3.0), (torch.tensor(0.5).item(), 0.5)):
         stub = types.SimpleNamespace(
-            examples=[{"id": 7}], tokenizer=tok, rank=0, reward_fn=lambda c, ex: value
+            examples=[{"id": 7}], tokenizer=tok, rank=0, reward_fn=lambda c, ex, v=value: v
         )
         assert Searcher.rewards(stub, [0], [[[10, 11]]]) == [[want]]
     for bad in (float("nan"), float("inf"), "1", None):
         stub = types.SimpleNamespace(
-            examples=[{"id": 7}], tokenizer=tok, rank=0, reward_fn=lambda c, ex: bad
+            examples=[{"id": 7}], tokenizer=tok, rank=0, reward_fn=lambda c, ex, v=bad: v
         )
-        with pytest.raises(ValueError, match="reward .* for prompt id 7 is not a finite number"):
+        with pytest.raises(ValueError, match=r"reward .* for prompt id 7 is not a finite number"):
             Searcher.rewards(stub, [0], [[[10, 11]]])
 
 
@@ -630,7 +648,7 @@ def test_reward_model_reward_with_tiny_classifier(tmp_path):
     assert pickle.loads(pickle.dumps(reward))._model is None  # weights never pickled
 
 
-# =============================================================================== the system (multi-process, CPU)
+# ================================================================== the system (multi-process, CPU)
 
 
 def digit_reward(completion: str, example: dict) -> float:
@@ -649,8 +667,10 @@ def proc_stats() -> list[tuple[int, list[str], str]]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
-                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-                found.append((int(entry), fields, open(f"/proc/{entry}/cmdline").read()))
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_text()
+                fields = stat.rsplit(")", 1)[1].split()
+                found.append((int(entry), fields, cmdline))
     return found
 
 
@@ -683,11 +703,7 @@ def time_limit(seconds: int):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
 
-    path = tmp_path_factory.mktemp("tiny_model")
-    tok = build_char_tokenizer()
-    build_tiny_model(tok, hidden=32, layers=2, heads=2).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_model"), hidden=32, layers=2, heads=2)
 
 
 def tiny_examples(n: int = 24) -> list[dict]:
@@ -697,11 +713,7 @@ def tiny_examples(n: int = 24) -> list[dict]:
 
 def tiny_cfg(model_dir: str, out: Path, **overrides) -> TBAConfig:
     values = dict(
-        model=model_dir,
-        dtype="float32",
         num_searchers=2,
-        searcher_devices="cpu",
-        trainer_device="cpu",
         num_generations=4,
         responses_per_prompt=4,
         prompts_per_step=2,
@@ -719,16 +731,16 @@ def tiny_cfg(model_dir: str, out: Path, **overrides) -> TBAConfig:
         parity_tol=1e-4,
         timeout_s=60,
         max_searcher_restarts=0,
-        torch_threads=1,
     )
     values.update(overrides)
-    return TBAConfig(**values)
+    return cpu_config(model_dir, **values)
 
 
 def read_metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_system_async_two_searchers(tiny_model_dir, tmp_path):
     cfg = tiny_cfg(tiny_model_dir, tmp_path)
 
@@ -795,6 +807,7 @@ def test_system_async_two_searchers(tiny_model_dir, tmp_path):
     assert child_pids() == [] and multiprocessing.active_children() == []
 
 
+@pytest.mark.slow
 def test_system_synchronous_mode_has_zero_lag(tiny_model_dir, tmp_path):
     cfg = tiny_cfg(tiny_model_dir, tmp_path, synchronous=True, total_steps=8)
     with time_limit(120):
@@ -805,6 +818,7 @@ def test_system_synchronous_mode_has_zero_lag(tiny_model_dir, tmp_path):
     assert child_pids() == []
 
 
+@pytest.mark.slow
 def test_system_searcher_error_fails_trainer_fast_with_traceback(tiny_model_dir, tmp_path):
     cfg = tiny_cfg(tiny_model_dir, tmp_path, timeout_s=300)
     start = time.monotonic()
@@ -946,6 +960,7 @@ def _cuda_reader(store, out_queue):
     reason="needs a CUDA GPU: CUDA-IPC weight store "
     "and the transformers engine on CUDA (run on a GPU box to exercise them)",
 )
+@pytest.mark.slow
 def test_cuda_ipc_weight_store_and_hf_engine(tiny_model_dir):
 
     model = torch.nn.Linear(64, 32).cuda()
@@ -977,13 +992,14 @@ def test_cuda_ipc_weight_store_and_hf_engine(tiny_model_dir):
     assert all(len(tokens) <= 8 for o in outs for tokens in o)
 
 
-# =============================================================================== reliability
+# ====================================================================================== reliability
 
 
 def nan_reward(completion: str, example: dict) -> float:
     return float("nan")
 
 
+@pytest.mark.slow
 def test_killed_searcher_is_restarted_and_training_continues(tiny_model_dir, tmp_path):
     cfg = tiny_cfg(tiny_model_dir, tmp_path, total_steps=200, max_searcher_restarts=2)
     killed, noticed = [], []
@@ -1013,6 +1029,7 @@ def test_killed_searcher_is_restarted_and_training_continues(tiny_model_dir, tmp
     assert child_pids() == []
 
 
+@pytest.mark.slow
 def test_searcher_failures_past_the_limit_stop_with_checkpoint(tiny_model_dir, tmp_path):
     cfg = tiny_cfg(tiny_model_dir, tmp_path, max_searcher_restarts=1)
     with time_limit(90), pytest.raises(SearcherFailed, match="1 restarts used of 1"):
@@ -1021,6 +1038,7 @@ def test_searcher_failures_past_the_limit_stop_with_checkpoint(tiny_model_dir, t
     assert child_pids() == []
 
 
+@pytest.mark.slow
 def test_nan_reward_is_a_loud_error_naming_the_prompt(tiny_model_dir, tmp_path):
     cfg = tiny_cfg(tiny_model_dir, tmp_path)
     with (
@@ -1061,7 +1079,7 @@ def test_prompt_longer_than_context_fails_before_any_process_starts(tiny_model_d
     (tmp_path / "train.jsonl").write_text(good)
     (tmp_path / "test.jsonl").write_text('{"question": "' + "x" * 300 + '", "answer": "#### 2"}\n')
     with pytest.raises(
-        ValueError, match="test example 0: prompt of .* exceeds the model context of 256"
+        ValueError, match=r"test example 0: prompt of .* exceeds the model context of 256"
     ):
         main(
             [
@@ -1086,6 +1104,7 @@ def test_prompt_longer_than_context_fails_before_any_process_starts(tiny_model_d
     assert child_pids() == []
 
 
+@pytest.mark.slow
 def test_smoke_preset_reports_step_time_memory_mop_and_lag(tiny_model_dir, tmp_path, capsys):
     """--preset smoke: the paper preset (bf16, N = 24, K = 20, P = 7) for ten steps, then the
     summary a user needs on a new GPU box. Here on CPU with a tiny model and short answers."""
@@ -1218,6 +1237,7 @@ def stop_run(proc: subprocess.Popen, sig: int, wait_s: float, settle_s: float) -
     return took
 
 
+@pytest.mark.slow
 def test_sigint_writes_checkpoint_and_every_process_exits(tiny_model_dir, tmp_path):
     with cli_run(
         tiny_model_dir, tmp_path, "--total_steps", "100000", "--checkpoint_every", "1000"
@@ -1231,6 +1251,7 @@ def test_sigint_writes_checkpoint_and_every_process_exits(tiny_model_dir, tmp_pa
         assert state["trainer"]["step"] >= 4  # written on the interrupt, not only every 1000 steps
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_continues_from_the_checkpoint(tiny_model_dir, tmp_path):
     with cli_run(
         tiny_model_dir,
@@ -1254,13 +1275,13 @@ def test_sigkill_then_resume_continues_from_the_checkpoint(tiny_model_dir, tmp_p
     out, _ = resumed.communicate(timeout=180)
     assert resumed.returncode == 0, out
     assert f"resumed from {tmp_path / 'checkpoint.pt'} at step {saved}" in out
-    steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
+    steps = [row["step"] for row in read_metrics(tmp_path)]
     assert steps == list(range(1, saved + 5))  # continued, no restart at 0, no duplicates
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["steps"] == saved + 4
 
 
-# =============================================================================== vLLM on CPU
+# ====================================================================================== vLLM on CPU
 
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
@@ -1271,10 +1292,7 @@ needs_vllm = pytest.mark.skipif(
 
 def save_vllm_model(path: Path, tied: bool) -> str:
     """A tiny Llama vLLM's CPU attention accepts (head dimension 32), tied or untied head."""
-    tok = build_char_tokenizer()
-    build_tiny_model(tok, hidden=64, layers=2, heads=2, tied=tied).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
+    return save_tiny_model(path, hidden=64, layers=2, heads=2, tied=tied)
 
 
 @pytest.fixture(scope="session", params=["tied", "untied"])
@@ -1291,12 +1309,7 @@ def vllm_tied_model_dir(tmp_path_factory):
 
 def vllm_cfg(model_dir: str, **overrides) -> TBAConfig:
     values = dict(
-        model=model_dir,
-        dtype="float32",
         engine="vllm",
-        num_searchers=1,
-        searcher_devices="cpu",
-        trainer_device="cpu",
         num_generations=6,
         responses_per_prompt=6,
         prompts_per_step=2,
@@ -1304,10 +1317,9 @@ def vllm_cfg(model_dir: str, **overrides) -> TBAConfig:
         max_new_tokens=16,
         temperature=0.7,
         eval_batch_size=16,
-        torch_threads=1,
     )
     values.update(overrides)
-    return TBAConfig(**values)
+    return cpu_config(model_dir, **values)
 
 
 def perturbed(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -1320,6 +1332,7 @@ def perturbed(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor
 
 
 @needs_vllm
+@pytest.mark.slow
 def test_vllm_engine_generates_n_with_eos_from_the_tempered_policy(vllm_model_dir):
     """N responses per prompt; a response ends at its first EOS (kept) or at max_new_tokens;
     the engine samples from softmax(logits / T): vLLM's log-prob of each sample equals the
@@ -1347,6 +1360,7 @@ def test_vllm_engine_generates_n_with_eos_from_the_tempered_policy(vllm_model_di
 
 
 @needs_vllm
+@pytest.mark.slow
 def test_vllm_engine_loads_published_weights(vllm_model_dir):
     """After WeightStore.load_into(engine.load_weights) the engine's log-probs of fixed
     responses equal the trainer's, for two successive versions, and a greedy generation of a
@@ -1378,6 +1392,7 @@ def test_vllm_engine_loads_published_weights(vllm_model_dir):
 
 
 @needs_vllm
+@pytest.mark.slow
 def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
     """Greedy accuracy through the vLLM evaluation engine (which loads the trainer's weights)
     equals the transformers one, on examples where roughly half of the answers are right."""
@@ -1403,6 +1418,7 @@ def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
 
 
 @needs_vllm
+@pytest.mark.slow
 def test_system_with_vllm_searchers_restarts_a_killed_one(vllm_tied_model_dir, tmp_path):
     """run_tba with two vLLM searcher processes on CPU: versions advance, every load passes the
     parity check, and a SIGKILLed searcher is restarted with the newest weights and delivers."""
@@ -1436,6 +1452,7 @@ def test_system_with_vllm_searchers_restarts_a_killed_one(vllm_tied_model_dir, t
 
 
 @needs_vllm
+@pytest.mark.slow
 def test_sigint_stops_every_vllm_process(vllm_tied_model_dir, tmp_path):
     with cli_run(
         vllm_tied_model_dir,
@@ -1454,9 +1471,10 @@ def test_sigint_stops_every_vllm_process(vllm_tied_model_dir, tmp_path):
         assert session_pids(proc.pid) == [], "a process of the vLLM run survived Ctrl-C"
 
 
-# =============================================================================== bench smoke test
+# ================================================================================= bench smoke test
 
 
+@pytest.mark.slow
 def test_bench_quick_writes_every_key(tmp_path):
     """bench.py --quick end to end: it exits 0 and writes every key. Timing goals are not
     asserted here; bench.py reports them as measured times and ratios."""
@@ -1501,9 +1519,10 @@ def test_bench_quick_writes_every_key(tmp_path):
     assert "sync / async time to 0.9" in proc.stdout  # the printed report
 
 
-# =============================================================================== the main job, end to end
+# ========================================================================= the main job, end to end
 
 
+@pytest.mark.slow
 def test_tiny_preset_end_to_end_learns_saves_and_resumes(tmp_path, monkeypatch):
     """run_gsm8k's tiny preset, shortened for CI: the real warm start, TBA through the whole
     multi-process system, then checks that the reward rises, outputs load, and --resume

@@ -1,4 +1,4 @@
-"""The trainer (steps 2-5 of tba.py's algorithm), the weight store, and ``run_tba``.
+"""The trainer (steps 2-5 of tba.py's algorithm) and ``run_tba``, which runs the whole system.
 
 ``run_tba`` starts the searcher processes (step 1) and loops here over 2 drain the queue into
 the replay buffer -> 3 sample P groups of K -> 4 TB loss, AdamW step -> 5 every k steps publish
@@ -12,10 +12,10 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import math
 import os
 import queue as queue_lib
 import signal
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,9 +26,19 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from buffer import ReplayBuffer, Trajectory
-from searcher import ParityProbe, searcher_main, weights_checksum
+from searcher import (
+    Batch,
+    BatchStats,
+    Failure,
+    ParityProbe,
+    Ready,
+    SearcherSetup,
+    searcher_main,
+    weights_checksum,
+)
 from tba import (
     TBAConfig,
+    WeightStore,
     beta_at,
     group_logprobs,
     load_causal_lm,
@@ -38,80 +48,6 @@ from tba import (
     tb_loss,
     wsd_lr_factor,
 )
-
-# ----------------------------------------------------------------------------- 5. the weight store
-
-
-class WeightStore:
-    """Named tensors mirrored into one flat shared tensor, with a version. Needs only torch.
-
-    The storage is a CUDA tensor on the trainer's GPU (opened by CUDA IPC where a searcher
-    unpickles the store) or shared CPU memory: a publish is one device copy, nothing pickled. A
-    seqlock keeps reads consistent and never blocks the writer, who makes ``seq`` odd, copies,
-    then makes it even; a reader retries when ``seq`` was odd or has changed. With the weights
-    goes one float, the parity probe's log-prob (searcher.ParityProbe)."""
-
-    SEQ, VERSION, PROBE = 0, 1, 2  # the slots of ``header``
-
-    def __init__(
-        self, named_params: list[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device
-    ):
-        offsets = [0, *list(itertools.accumulate(p.numel() for _, p in named_params))]
-        self.layout = [
-            (name, off, tuple(p.shape))
-            for (name, p), off in zip(named_params, offsets, strict=True)
-        ]
-        self.flat = torch.empty(offsets[-1], dtype=dtype, device=device)
-        if device.type == "cpu":
-            self.flat.share_memory_()
-        self.header = torch.zeros(3, dtype=torch.float64).share_memory_()
-        self.header[self.VERSION] = -1
-
-    def views(self) -> list[tuple[str, torch.Tensor]]:
-        return [
-            (name, self.flat[off : off + math.prod(shape)].view(shape))
-            for name, off, shape in self.layout
-        ]
-
-    def version(self) -> int:
-        return int(self.header[self.VERSION].item())
-
-    @torch.no_grad()
-    def publish(
-        self, named_params: list[tuple[str, torch.Tensor]], version: int, probe_logp: float = 0.0
-    ) -> None:
-        seq = self.header[self.SEQ].item()
-        self.header[self.SEQ] = seq + 1  # odd: writing
-        for (name, view), (pname, p) in zip(self.views(), named_params, strict=True):
-            if name != pname:
-                raise RuntimeError(f"WeightStore.publish: parameter {pname} where {name} expected")
-            view.copy_(p.detach())
-        if self.flat.is_cuda:
-            torch.cuda.synchronize(self.flat.device)  # bytes land before readers may look
-        self.header[self.PROBE], self.header[self.VERSION] = probe_logp, version
-        self.header[self.SEQ] = seq + 2  # even: stable
-
-    def load_into(self, load_fn: Callable, timeout_s: float = 60.0) -> tuple[int, float]:
-        """Call ``load_fn(views)`` on one consistent version; returns (version, probe log-prob)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            seq = self.header[self.SEQ].item()
-            if seq % 2 == 0:
-                version, probe = (
-                    int(self.header[self.VERSION].item()),
-                    self.header[self.PROBE].item(),
-                )
-                load_fn(self.views())
-                if torch.cuda.is_available() and torch.cuda.is_initialized():
-                    # Our copies (our stream, reading the store's device) must end before seq is
-                    # re-checked, or a torn read could pass the check.
-                    torch.cuda.synchronize()
-                    if self.flat.is_cuda:
-                        torch.cuda.synchronize(self.flat.device)
-                if self.header[self.SEQ].item() == seq:
-                    return version, probe
-            time.sleep(0.001)
-        raise TimeoutError(f"WeightStore: no consistent read within {timeout_s}s")
 
 
 def make_weight_store(cfg: TBAConfig, model: torch.nn.Module, device: torch.device) -> WeightStore:
@@ -127,7 +63,9 @@ def make_weight_store(cfg: TBAConfig, model: torch.nn.Module, device: torch.devi
 
 
 class Trainer:
-    """Model, optimizer, schedules and buffer: ``ready`` is step 2, ``train_step`` 3-4, ``publish`` 5."""
+    """Model, optimizer, schedules and buffer.
+
+    ``ready`` is step 2, ``train_step`` steps 3-4, ``publish`` step 5."""
 
     def __init__(
         self,
@@ -137,26 +75,23 @@ class Trainer:
         eos_id: int,
         probe: ParityProbe | None = None,
     ):
-        self.cfg, self.device, self.pad_id, self.eos_id, self.probe = (
-            cfg,
-            device,
-            pad_id,
-            eos_id,
-            probe,
-        )
-        mixed = (
-            cfg.fp32_master_weights and cfg.dtype != "float32"
-        )  # else weights and moments in dtype
-        dtype = torch.float32 if mixed else cfg.torch_dtype()
-        self.model = load_causal_lm(cfg.model, dtype, device, cfg.trust_remote_code)
+        self.cfg = cfg
+        self.device = device
+        self.pad_id = pad_id
+        self.eos_id = eos_id
+        self.probe = probe
+        # Mixed precision: fp32 weights and moments, compute autocast to `dtype`. Otherwise the
+        # weights and AdamW moments are in `dtype` itself (the released run: bf16).
+        mixed = cfg.fp32_master_weights and cfg.dtype != "float32"
+        weights_dtype = torch.float32 if mixed else cfg.torch_dtype()
+        self.model = load_causal_lm(cfg.model, weights_dtype, device, cfg.trust_remote_code)
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.train()
-        self.autocast = (
-            torch.autocast(device.type, dtype=cfg.torch_dtype())
-            if mixed
-            else contextlib.nullcontext()
-        )
+        if mixed:
+            self.autocast = torch.autocast(device.type, dtype=cfg.torch_dtype())
+        else:
+            self.autocast = contextlib.nullcontext()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
@@ -189,19 +124,22 @@ class Trainer:
         the passes' losses weighted by their share of the P groups sum to tb_loss on the whole
         batch, exactly. Returns (loss, log Z per prompt, mean log pi)."""
         cfg = self.cfg
-        per_pass = (
-            max(1, cfg.micro_batch_size // cfg.responses_per_prompt)
-            if cfg.micro_batch_size
-            else len(groups)
-        )
-        loss_sum, log_z, logp_sum = 0.0, [], 0.0
+        if cfg.micro_batch_size:
+            per_pass = max(1, cfg.micro_batch_size // cfg.responses_per_prompt)
+        else:
+            per_pass = len(groups)
+        loss_sum = 0.0
+        log_z = []
+        logp_sum = 0.0
         for first in range(0, len(groups), per_pass):
             chunk = groups[first : first + per_pass]
+            prompts = [group[0].prompt_tokens for group in chunk]
+            responses = [[t.response_tokens for t in group] for group in chunk]
             with self.autocast:
                 logp = group_logprobs(
                     self.model,
-                    [g[0].prompt_tokens for g in chunk],
-                    [[t.response_tokens for t in g] for g in chunk],
+                    prompts,
+                    responses,
                     pad_id=self.pad_id,
                     eos_id=self.eos_id,
                     temperature=cfg.logprob_temperature(),
@@ -223,13 +161,12 @@ class Trainer:
         all of this version when synchronous); returns the step's metrics."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        groups, is_mop = self.buffer.sample(
-            cfg.prompts_per_step,
-            cfg.responses_per_prompt,  # 3.
-            version=self.step if cfg.synchronous else None,
-        )
+        # 3. P groups of K.
+        version = self.step if cfg.synchronous else None
+        groups, is_mop = self.buffer.sample(cfg.prompts_per_step, cfg.responses_per_prompt, version)
         beta = beta_at(self.step, cfg.beta_start, cfg.beta_end, cfg.beta_anneal_steps)
         t1 = time.perf_counter()
+        # 4. The TB loss's gradient, then one AdamW step.
         self.optimizer.zero_grad(set_to_none=True)
         loss, log_z, logp_mean = self.backward(groups, beta)
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -245,24 +182,28 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         t2 = time.perf_counter()
-        trajs = [t for g in groups for t in g]
-        lags = [self.step - 1 - t.version for t in trajs]
+
+        trajectories = [t for group in groups for t in group]
+        # Versions behind the weights this step started from (0: generated by them).
+        lags = [self.step - 1 - t.version for t in trajectories]
+        tokens = sum(len(t.response_tokens) for t in trajectories)
+        step_s = t2 - t0
         return {
             "loss/tb": loss,
-            "loss/logz_mean": sum(log_z) / len(log_z),
+            "loss/logz_mean": statistics.fmean(log_z),
             "policy/logp_mean": logp_mean,
-            "reward/mean": sum(t.reward for t in trajs) / len(trajs),
+            "reward/mean": statistics.fmean(t.reward for t in trajectories),
             "train/beta": beta,
             "train/lr": lr,
             "train/grad_norm": grad_norm.item(),
-            "async/lag_mean": sum(lags) / len(lags),
+            "async/lag_mean": statistics.fmean(lags),
             "async/lag_max": float(max(lags)),
             "async/lag_min": float(min(lags)),
-            "async/mop_frac": sum(is_mop) / len(is_mop),
+            "async/mop_frac": statistics.fmean(is_mop),
             "time/sample": t1 - t0,
             "time/forward_backward": t2 - t1,
-            "throughput/samples_per_s": len(trajs) / (t2 - t0),
-            "throughput/tokens_per_s": sum(len(t.response_tokens) for t in trajs) / (t2 - t0),
+            "throughput/samples_per_s": len(trajectories) / step_s,
+            "throughput/tokens_per_s": tokens / step_s,
         }
 
     def publish(self, store: WeightStore) -> float:
@@ -325,30 +266,43 @@ class SearcherPool:
         probe: ParityProbe | None,
         log: Callable[[str], None] = print,
     ):
-        self.cfg, self.log = cfg, log
+        self.cfg = cfg
+        self.log = log
         self.ctx = mp.get_context("spawn")
-        self.queue, self.stop_event = self.ctx.Queue(maxsize=cfg.queue_size), self.ctx.Event()
-        shards = [
-            examples[r :: cfg.num_searchers] for r in range(cfg.num_searchers)
-        ]  # disjoint prompts
+        self.queue = self.ctx.Queue(maxsize=cfg.queue_size)
+        self.stop_event = self.ctx.Event()
+        # Disjoint shards: two searchers never generate for the same prompt at once.
+        shards = [examples[r :: cfg.num_searchers] for r in range(cfg.num_searchers)]
         if any(not shard for shard in shards):
             raise ValueError(
                 f"{len(examples)} prompts cannot be split over {cfg.num_searchers} searchers"
             )
-        self.args = [
-            (r, cfg, shards[r], reward_fn, store, self.queue, self.stop_event, probe)
-            for r in range(cfg.num_searchers)
-        ]  # what searcher_main r gets
+        self.setups = [
+            SearcherSetup(
+                rank=rank,
+                cfg=cfg,
+                examples=shards[rank],
+                reward_fn=reward_fn,
+                store=store,
+                out_queue=self.queue,
+                stop_event=self.stop_event,
+                probe=probe,
+            )
+            for rank in range(cfg.num_searchers)
+        ]
         self.procs: list = [None] * cfg.num_searchers
-        self.restarts, self.last_error = 0, {}
+        self.restarts = 0  # all searchers together
+        self.last_error: dict[int, str] = {}  # rank -> traceback of its latest Failure
         self.first_ready_at: float | None = None  # time.time() when a searcher could first generate
-        self.arrived: list[dict] = []  # stats of the batches since the last metrics()
-        self.latest: dict[int, dict] = {}  # rank -> stats of its newest batch
+        self.arrived: list[BatchStats] = []  # of the batches since the last metrics()
+        self.latest: dict[int, BatchStats] = {}  # rank -> of its newest batch
 
     def start(self, rank: int | None = None) -> None:
-        for r in [rank] if rank is not None else range(self.cfg.num_searchers):
+        """Start searcher ``rank``, or all of them."""
+        ranks = [rank] if rank is not None else range(self.cfg.num_searchers)
+        for r in ranks:
             self.procs[r] = self.ctx.Process(
-                target=searcher_main, name=f"tba-searcher-{r}", args=self.args[r]
+                target=searcher_main, name=f"tba-searcher-{r}", args=(self.setups[r],)
             )
             self.procs[r].start()
 
@@ -357,13 +311,12 @@ class SearcherPool:
         self.procs[rank].join(timeout=5.0)
         self.procs[rank].kill()  # a no-op when it has exited
         self.procs[rank].join(timeout=5.0)
-        error, limit = (
-            self.last_error.get(rank, "(no traceback: the process died)"),
-            self.cfg.max_searcher_restarts,
-        )
+        error = self.last_error.get(rank, "(no traceback: the process died)")
+        limit = self.cfg.max_searcher_restarts
         if self.restarts >= limit:
             raise SearcherFailed(
-                f"searcher {rank} failed ({why}); {self.restarts} restarts used of {limit}:\n{error}"
+                f"searcher {rank} failed ({why}); {self.restarts} restarts used of {limit}:\n"
+                f"{error}"
             )
         self.restarts += 1
         self.log(f"searcher {rank} failed ({why}); restart {self.restarts}/{limit}:\n{error}")
@@ -373,16 +326,18 @@ class SearcherPool:
         """The trajectories of every batch waiting (after up to ``timeout`` s for the first
         message). Also handles failures (restart or raise) and records batch statistics."""
         trajectories = []
-        for kind, rank, *payload in self.drain(timeout):
-            if kind == "error":
-                self.last_error[rank] = payload[0]
-                self._failed(rank, "raised")
-            elif kind == "ready":
-                self.first_ready_at = self.first_ready_at or payload[0]
+        for message in self.drain(timeout):
+            if isinstance(message, Failure):
+                self.last_error[message.rank] = message.traceback
+                self._failed(message.rank, "raised")
+            elif isinstance(message, Ready):
+                self.first_ready_at = self.first_ready_at or message.unix_time
+            elif isinstance(message, Batch):
+                trajectories += message.trajectories
+                self.arrived.append(message.stats)
+                self.latest[message.rank] = message.stats
             else:
-                trajectories += payload[0]
-                self.arrived.append(payload[1])
-                self.latest[rank] = payload[1]
+                raise TypeError(f"SearcherPool: unexpected message {type(message).__name__}")
         for rank, proc in enumerate(self.procs):
             if not proc.is_alive():
                 self._failed(rank, f"exit code {proc.exitcode}")
@@ -397,23 +352,26 @@ class SearcherPool:
         }
         with contextlib.suppress(NotImplementedError):  # qsize is missing on macOS
             out["async/queue_depth"] = float(self.queue.qsize())
-        for key in ("generate", "reward", "reference", "load") if self.arrived else ():
-            out[f"time/{key}"] = sum(s[f"{key}_s"] for s in self.arrived) / len(self.arrived)
+        if self.arrived:
+            out["time/generate"] = statistics.fmean(s.generate_s for s in self.arrived)
+            out["time/reward"] = statistics.fmean(s.reward_s for s in self.arrived)
+            out["time/reference"] = statistics.fmean(s.reference_s for s in self.arrived)
+            out["time/load"] = statistics.fmean(s.load_s for s in self.arrived)
         self.arrived = []
         for rank, latest in sorted(self.latest.items()):
-            out.update(
-                {
-                    f"searcher{rank}/{key}": float(latest[key])
-                    for key in ("busy_frac", "version", "peak_mem_gb", "checksum")
-                    if latest.get(key) is not None
-                }
-            )
+            out[f"searcher{rank}/busy_frac"] = latest.busy_frac
+            out[f"searcher{rank}/version"] = float(latest.version)
+            out[f"searcher{rank}/peak_mem_gb"] = latest.peak_mem_gb
+            if latest.checksum is not None:
+                out[f"searcher{rank}/checksum"] = latest.checksum
         return out
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Ask every searcher to stop, drain the queue while they exit, then terminate, then kill."""
+        """Ask every searcher to stop, drain the queue while they exit, then terminate, then
+        kill."""
         self.stop_event.set()
-        procs, deadline = [p for p in self.procs if p is not None], time.monotonic() + timeout
+        procs = [p for p in self.procs if p is not None]
+        deadline = time.monotonic() + timeout
         while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
             self.drain()
             time.sleep(0.05)
@@ -424,19 +382,26 @@ class SearcherPool:
         self.queue.cancel_join_thread()
         self.queue.close()
 
-    def drain(self, timeout: float = 0.0) -> list[tuple]:
+    def drain(self, timeout: float = 0.0) -> list[Ready | Batch | Failure]:
         """Every message waiting, after up to ``timeout`` seconds for the first."""
         messages = []
         with contextlib.suppress(queue_lib.Empty):
-            messages.append(
-                self.queue.get(timeout=timeout) if timeout > 0 else self.queue.get_nowait()
-            )
+            if timeout > 0:
+                messages.append(self.queue.get(timeout=timeout))
+            else:
+                messages.append(self.queue.get_nowait())
             while True:
                 messages.append(self.queue.get_nowait())
         return messages
 
 
 # ----------------------------------------------------------------------------- the run
+
+
+def progress_fields(metrics: dict) -> dict[str, str]:
+    """What the progress bar shows of a step's metrics."""
+    shown = {"reward": "reward/mean", "acc": "eval/accuracy", "lag": "async/lag_mean"}
+    return {short: f"{metrics[key]:.3g}" for short, key in shown.items() if key in metrics}
 
 
 def _raise_keyboard_interrupt(signum, frame):
@@ -461,38 +426,34 @@ def run_tba(
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads_per_process())
     tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    probe = (
-        ParityProbe.from_prompt(tokenizer(examples[0]["prompt"])["input_ids"], cfg.parity_tol)
-        if cfg.parity_check
-        else None
-    )
+    probe = None
+    if cfg.parity_check:
+        probe_prompt = tokenizer(examples[0]["prompt"])["input_ids"]
+        probe = ParityProbe.from_prompt(probe_prompt, cfg.parity_tol)
     trainer = Trainer(cfg, device, pad_token_id(tokenizer), tokenizer.eos_token_id, probe)
-    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    ckpt_path, metrics_path = (
-        Path(cfg.output_dir) / "checkpoint.pt",
-        Path(cfg.output_dir) / "metrics.jsonl",
-    )
-    rows = metrics_path.read_text().splitlines() if cfg.resume and metrics_path.exists() else []
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out_dir / "checkpoint.pt"
+    metrics_path = out_dir / "metrics.jsonl"
+    old_rows = []
+    if cfg.resume and metrics_path.exists():
+        old_rows = metrics_path.read_text().splitlines()
     if cfg.resume and ckpt_path.exists():
         trainer.load(ckpt_path)
-    if cfg.resume:
-        tqdm.write(
-            f"resumed from {ckpt_path} at step {trainer.step}"
-            if ckpt_path.exists()
-            else f"--resume: no checkpoint at {ckpt_path}; starting from step 0"
-        )
+        tqdm.write(f"resumed from {ckpt_path} at step {trainer.step}")
+    elif cfg.resume:
+        tqdm.write(f"--resume: no checkpoint at {ckpt_path}; starting from step 0")
     # A resumed log keeps the rows up to the checkpoint; a fresh run starts a fresh log.
-    metrics_path.write_text(
-        "".join(r + "\n" for r in rows if r.strip() and json.loads(r)["step"] <= trainer.step)
-    )
+    kept = [row for row in old_rows if row.strip() and json.loads(row)["step"] <= trainer.step]
+    metrics_path.write_text("".join(row + "\n" for row in kept))
     store = make_weight_store(cfg, trainer.model, device)
     trainer.publish(store)  # the current weights, before any searcher starts
     pool = SearcherPool(cfg, examples, reward_fn, store, probe, log=tqdm.write)
-    # Ctrl-C and SIGTERM end the run cleanly (set both: a background process inherits SIGINT ignored).
-    old_handlers = {
-        sig: signal.signal(sig, _raise_keyboard_interrupt)
-        for sig in (signal.SIGINT, signal.SIGTERM)
-    }
+    # Ctrl-C and SIGTERM end the run cleanly. Set both: a background process inherits SIGINT
+    # ignored.
+    old_handlers = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        old_handlers[sig] = signal.signal(sig, _raise_keyboard_interrupt)
     bar = tqdm(
         total=cfg.total_steps,
         initial=trainer.step,
@@ -517,38 +478,30 @@ def run_tba(
                         )
                     trainer.buffer.extend(pool.collect(timeout=0.2))
                 wait_s = time.perf_counter() - t0
+
                 metrics = trainer.train_step()  # 3-4. sample, TB loss, AdamW step
-                publish = cfg.synchronous or trainer.step % cfg.sync_every == 0
-                publish_s = trainer.publish(store) if publish else 0.0  # 5. publish every k steps
-                # wall_time counts from the first searcher ready to generate: start-up is not training.
-                metrics = {
-                    "step": trainer.step,
-                    "wall_time": time.time() - (pool.first_ready_at or time.time()),
-                    **metrics,
-                    **trainer.buffer.stats(trainer.step),
-                    **pool.metrics(),
-                    "time/wait": wait_s,
-                    "time/publish": publish_s,
-                    "memory/trainer_peak_gb": peak_memory_gb(device),
-                    "time/step": time.perf_counter() - t0,
-                }
+
+                publish_s = 0.0
+                if cfg.synchronous or trainer.step % cfg.sync_every == 0:
+                    publish_s = trainer.publish(store)  # 5. publish every k steps
+
+                # wall_time counts from the first searcher ready to generate: start-up is not
+                # training.
+                started = pool.first_ready_at or time.time()
+                metrics = {"step": trainer.step, "wall_time": time.time() - started, **metrics}
+                metrics.update(trainer.buffer.stats(trainer.step))
+                metrics.update(pool.metrics())
+                metrics["time/wait"] = wait_s
+                metrics["time/publish"] = publish_s
+                metrics["memory/trainer_peak_gb"] = peak_memory_gb(device)
+                metrics["time/step"] = time.perf_counter() - t0
                 if on_step is not None:
                     on_step(trainer, metrics)
                 print(json.dumps(metrics), file=metrics_file, flush=True)
                 if trainer.step % (cfg.checkpoint_every or cfg.sync_every) == 0:
                     trainer.save(ckpt_path)
                 bar.update(1)
-                bar.set_postfix(
-                    {
-                        short: f"{metrics[k]:.3g}"
-                        for short, k in (
-                            ("reward", "reward/mean"),
-                            ("acc", "eval/accuracy"),
-                            ("lag", "async/lag_mean"),
-                        )
-                        if k in metrics
-                    }
-                )
+                bar.set_postfix(progress_fields(metrics))
     finally:
         bar.close()
         for sig, handler in old_handlers.items():
