@@ -88,7 +88,7 @@ class Failure:
 
 
 class WeightSource(Protocol):
-    """The published weights, as a searcher reads them (trainer.WeightStore is one)."""
+    """The published weights, as a searcher reads them (tba.WeightStore is one)."""
 
     def version(self) -> int:
         """The newest published version (-1 before the first publish)."""
