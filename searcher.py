@@ -544,6 +544,33 @@ class Searcher:
                         f"{self.cfg.timeout_s}s; is the trainer alive?"
                     ) from None
 
+    def search_once(self) -> tuple[list[Trajectory], tuple[float, float, float]]:
+        """1b-1c. N responses to each of the next prompts of the shard, with their rewards and
+        reference log-probs, tagged with the version of the weights held. Returns them and the
+        seconds spent generating, rewarding and scoring."""
+        batch = self.next_prompts()  # 1b
+        t0 = time.perf_counter()
+        prompts = [self.prompt_ids[i] for i in batch]
+        outputs = self.engine.generate(prompts, self.cfg.num_generations)
+        t1 = time.perf_counter()
+        rewards = self.rewards(batch, outputs)  # 1c
+        t2 = time.perf_counter()
+        ref_logps = self.reference_logprobs(batch, outputs)
+        t3 = time.perf_counter()
+        trajectories = []
+        for idx, samples, rs, refs in zip(batch, outputs, rewards, ref_logps, strict=True):
+            for tokens, reward, ref_logprob in zip(samples, rs, refs, strict=True):
+                trajectory = Trajectory(
+                    prompt_id=self.examples[idx]["id"],
+                    prompt_tokens=self.prompt_ids[idx],
+                    response_tokens=tokens,
+                    reward=reward,
+                    ref_logprob=ref_logprob,
+                    version=self.version,
+                )
+                trajectories.append(trajectory)
+        return trajectories, (t1 - t0, t2 - t1, t3 - t2)
+
     def run(self) -> None:
         self.put(Ready(self.rank, time.time()))
         last = time.perf_counter()
@@ -551,33 +578,15 @@ class Searcher:
             load_s, checksum = self.load_newest_weights()  # 1a
             if self.should_stop():
                 break
-            batch = self.next_prompts()  # 1b
             t0 = time.perf_counter()
-            prompts = [self.prompt_ids[i] for i in batch]
-            outputs = self.engine.generate(prompts, self.cfg.num_generations)
-            t1 = time.perf_counter()
-            rewards = self.rewards(batch, outputs)  # 1c
-            t2 = time.perf_counter()
-            ref_logps = self.reference_logprobs(batch, outputs)
+            trajectories, (generate_s, reward_s, reference_s) = self.search_once()  # 1b-1c
             now = time.perf_counter()
-            trajectories = []
-            for idx, samples, rs, refs in zip(batch, outputs, rewards, ref_logps, strict=True):
-                for tokens, reward, ref_logprob in zip(samples, rs, refs, strict=True):
-                    trajectory = Trajectory(
-                        prompt_id=self.examples[idx]["id"],
-                        prompt_tokens=self.prompt_ids[idx],
-                        response_tokens=tokens,
-                        reward=reward,
-                        ref_logprob=ref_logprob,
-                        version=self.version,
-                    )
-                    trajectories.append(trajectory)
             self.busy_s += now - t0
             self.wall_s += now - last
             stats = BatchStats(
-                generate_s=t1 - t0,
-                reward_s=t2 - t1,
-                reference_s=now - t2,
+                generate_s=generate_s,
+                reward_s=reward_s,
+                reference_s=reference_s,
                 load_s=load_s,
                 version=self.version,
                 busy_frac=self.busy_s / self.wall_s,
