@@ -25,6 +25,7 @@ machine            versions, cores, and how much two processes gain over one rig
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
 import importlib.util
@@ -52,9 +53,9 @@ from run_gsm8k import (
     tiny_warm_start,
     to_examples,
 )
-from searcher import HFEngine, VLLMEngine
-from tba import TBAConfig, WeightStore
-from trainer import run_tba
+from searcher import HFEngine, Searcher, SearcherSetup, VLLMEngine
+from tba import TBAConfig, WeightStore, pad_token_id
+from trainer import Trainer, run_tba
 
 THRESHOLDS = (0.85, 0.90, 0.95)
 WINDOW_S = 30  # accuracy averaged over windows of this many seconds
@@ -224,10 +225,10 @@ def summarize(runs: list[dict], budget_s: float) -> dict:
         out[mode] = row
     target = str(TARGET)
     out["sync_over_async"] = out["sync"][target]["median"] / out["async"][target]["median"]
+    async_reached_all = out["async"][target]["reached"] == out["async"]["seeds"]
     out["goals"] = {
-        "async at most half the sync time": out["sync_over_async"] >= 2.0,
-        "async under 30 s": out["async"][target]["median"] < 30
-        and out["async"][target]["reached"] == out["async"]["seeds"],
+        "async at most 0.6x the sync time": out["sync_over_async"] >= 1 / 0.6,
+        "async under 73 s": out["async"][target]["median"] < 73 and async_reached_all,
     }
     return out
 
@@ -258,6 +259,195 @@ def plot(runs: list[dict], path: Path) -> str | None:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return str(path)
+
+
+# ----------------------------------------------------------------------------- staleness
+
+STALE_EVAL_EVERY = 25  # steps between greedy evaluations in the staleness experiment
+STALE_REPORT_STEPS = (100, 200, 300, 400)
+STALE_THRESHOLD = 0.85
+COLLAPSE_DROP = 0.2  # a collapse: accuracy falls this far below its best so far
+
+
+def staleness_run(
+    model_dir: str, loss: str, lag: int, seed: int, steps: int, overrides: dict
+) -> dict:
+    """Staleness in isolation, one process and no asynchrony: step t trains on a fresh batch
+    (P prompts x N responses, the tiny preset's) generated with the trainer's weights of step
+    t - lag (the starting weights while t < lag). Returns greedy accuracy on the held-out sums
+    every STALE_EVAL_EVERY steps."""
+    torch.set_num_threads(1)
+    train, test, _ = tiny_task()
+    with tempfile.TemporaryDirectory(prefix="tba_stale_") as out:
+        values = {**TINY_PRESET, "model": model_dir, "seed": seed, "output_dir": out}
+        if loss != "tb":
+            values["loss"] = loss
+        values.update(overrides)
+        cfg = TBAConfig(**values)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        torch.manual_seed(seed)
+        trainer = Trainer(cfg, torch.device("cpu"), pad_token_id(tokenizer), tokenizer.eos_token_id)
+        setup = SearcherSetup(
+            rank=0,
+            cfg=cfg,
+            examples=train,
+            reward_fn=gsm8k_reward,
+            store=None,
+            out_queue=None,
+            stop_event=None,
+            probe=None,
+        )
+        searcher = Searcher(setup)
+        evaluator = Evaluator(cfg, tokenizer)
+        # The weights of the last lag + 1 versions; the oldest generates the next batch.
+        versions = collections.deque(maxlen=lag + 1)
+        versions.append(_weights_copy(trainer.model))
+        curve = [(0, evaluator.accuracy(trainer.model, test))]
+        generated_by = []  # the version of the weights that generated each step's batch
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            searcher.engine.load_weights(versions[0])
+            searcher.version = trainer.step - (len(versions) - 1)
+            generated_by.append(searcher.version)
+            trajectories, _ = searcher.search_once()
+            n = cfg.num_generations
+            k = cfg.responses_per_prompt
+            groups = [trajectories[i : i + n][:k] for i in range(0, len(trajectories), n)]
+            trainer.update(groups)
+            versions.append(_weights_copy(trainer.model))
+            if trainer.step % STALE_EVAL_EVERY == 0 or trainer.step == steps:
+                curve.append((trainer.step, evaluator.accuracy(trainer.model, test)))
+    return {
+        "loss": loss,
+        "lag": lag,
+        "seed": seed,
+        "curve": curve,
+        "generated_by": generated_by,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _weights_copy(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(name, p.detach().clone()) for name, p in model.named_parameters()]
+
+
+def _staleness_task(args: tuple) -> dict:
+    return staleness_run(*args)
+
+
+def summarize_staleness(runs: list[dict]) -> dict:
+    """Per loss and lag: accuracy at fixed steps, the first evaluated step at or above
+    STALE_THRESHOLD, and collapses (a fall of more than COLLAPSE_DROP below the best so far),
+    per seed and as medians over seeds."""
+    out: dict = {}
+    for run in runs:
+        accuracy = dict(run["curve"])
+        best = 0.0
+        worst_drop = 0.0
+        for _, acc in run["curve"]:
+            best = max(best, acc)
+            worst_drop = max(worst_drop, best - acc)
+        reached = [step for step, acc in run["curve"] if acc >= STALE_THRESHOLD]
+        row = out.setdefault(run["loss"], {}).setdefault(str(run["lag"]), {"seeds": []})
+        row["seeds"].append(
+            {
+                "seed": run["seed"],
+                "at": {str(s): accuracy.get(s) for s in STALE_REPORT_STEPS},
+                "final": run["curve"][-1][1],
+                "steps_to": reached[0] if reached else None,
+                "worst_drop": worst_drop,
+                "collapsed": worst_drop > COLLAPSE_DROP,
+            }
+        )
+    for by_lag in out.values():
+        for row in by_lag.values():
+            seeds = row["seeds"]
+            row["median_at"] = {}
+            for step in map(str, STALE_REPORT_STEPS):
+                values = [s["at"][step] for s in seeds if s["at"][step] is not None]
+                row["median_at"][step] = statistics.median(values) if values else None
+            row["median_final"] = statistics.median(s["final"] for s in seeds)
+            steps_to = [s["steps_to"] for s in seeds]
+            row["steps_to_reached"] = sum(s is not None for s in steps_to)
+            row["median_steps_to"] = statistics.median(
+                s if s is not None else float("inf") for s in steps_to
+            )
+            row["collapses"] = sum(s["collapsed"] for s in seeds)
+    return out
+
+
+def plot_staleness(runs: list[dict], path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    losses = sorted({r["loss"] for r in runs}, key=["tb", "grpo"].index)
+    lags = sorted({r["lag"] for r in runs})
+    fig, axes = plt.subplots(1, len(losses), figsize=(6 * len(losses), 4), squeeze=False)
+    colors = plt.get_cmap("viridis")
+    for ax, loss in zip(axes[0], losses, strict=True):
+        for i, lag in enumerate(lags):
+            mine = [r for r in runs if r["loss"] == loss and r["lag"] == lag]
+            if not mine:
+                continue
+            steps = [step for step, _ in mine[0]["curve"]]
+            median = [
+                statistics.median(dict(r["curve"]).get(step, float("nan")) for r in mine)
+                for step in steps
+            ]
+            color = colors(i / max(1, len(lags) - 1))
+            for r in mine:
+                ax.plot(*zip(*r["curve"], strict=True), color=color, alpha=0.25, lw=0.8)
+            ax.plot(steps, median, color=color, lw=2, label=f"d = {lag}")
+        ax.set_title(f"{loss.upper()}: data generated d versions behind")
+        ax.set_xlabel("trainer step")
+        ax.set_ylabel("greedy accuracy, 200 held-out sums")
+        ax.set_ylim(0, 1)
+        ax.axhline(STALE_THRESHOLD, color="grey", ls="--", lw=0.8)
+        ax.legend(loc="lower right", fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return str(path)
+
+
+def bench_staleness(
+    model_dir: str,
+    losses: list[str],
+    lags: list[int],
+    seeds: int,
+    steps: int,
+    jobs: int,
+    overrides: dict,
+    png: Path,
+) -> dict:
+    """Every (loss, lag, seed) run, ``jobs`` at a time in separate processes."""
+    tasks = [
+        (model_dir, loss, lag, seed, steps, overrides)
+        for seed in range(seeds)
+        for loss in losses
+        for lag in lags
+    ]
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(jobs, maxtasksperchild=1) as pool:
+        runs = []
+        for run in pool.imap_unordered(_staleness_task, tasks):
+            log(
+                f"staleness {run['loss']} d={run['lag']} seed {run['seed']}: "
+                f"final {run['curve'][-1][1]:.3f} in {run['seconds']:.0f} s"
+            )
+            runs.append(run)
+    runs.sort(key=lambda r: (r["loss"], r["lag"], r["seed"]))
+    return {
+        "steps": steps,
+        "eval_every": STALE_EVAL_EVERY,
+        "overrides": overrides,
+        "runs": runs,
+        "summary": summarize_staleness(runs),
+        "plot": plot_staleness(runs, png),
+    }
 
 
 # ----------------------------------------------------------------------------- engines
@@ -391,7 +581,7 @@ def bench_publish(reps: int, device: str = "cpu", model_kwargs: dict = LLAMA_110
 # ----------------------------------------------------------------------------- report
 
 
-def print_report(res: dict) -> None:
+def print_time_to_accuracy(res: dict) -> None:
     tta = res["time_to_accuracy"]
     print(
         "\ntime to greedy accuracy (seconds of training, median [min-max] over "
@@ -405,20 +595,16 @@ def print_report(res: dict) -> None:
     )
     for mode in ("async", "sync"):
         row = tta[mode]
-        cells = "".join(
-            f"{row[str(th)]['median']:>8.1f} [{row[str(th)]['min']:.0f}-{row[str(th)]['max']:.0f}]"
-            f" {row[str(th)]['reached']}/{row['seeds']}"
-            for th in THRESHOLDS
-        )
-        print(
-            f"{mode:<7}{cells}{row['steps_per_s']:>9.2f}{row['samples_per_s']:>11.0f}{row['lag_mean']:>6.1f}"
-        )
+        cells = ""
+        for th in map(str, THRESHOLDS):
+            times = row[th]
+            cells += f"{times['median']:>8.1f} [{times['min']:.0f}-{times['max']:.0f}]"
+            cells += f" {times['reached']}/{row['seeds']}"
+        rates = f"{row['steps_per_s']:>9.2f}{row['samples_per_s']:>11.0f}{row['lag_mean']:>6.1f}"
+        print(f"{mode:<7}{cells}{rates}")
     windows = list(tta["async"]["window_accuracy"])
-    print(
-        "mean greedy accuracy per window of seconds (median over seeds)\n"
-        + f"{'mode':<7}"
-        + "".join(f"{w:>9}" for w in windows)
-    )
+    print("mean greedy accuracy per window of seconds (median over seeds)")
+    print(f"{'mode':<7}" + "".join(f"{w:>9}" for w in windows))
     for mode in ("async", "sync"):
         print(f"{mode:<7}" + "".join(f"{tta[mode]['window_accuracy'][w]:>9.3f}" for w in windows))
     print(
@@ -429,9 +615,26 @@ def print_report(res: dict) -> None:
         f"two processes over one: {res['parallel_speedup_start']:.2f} at the start, "
         f"{res['parallel_speedup_end']:.2f} at the end (2.0 = two idle cores)"
     )
-    print(f"engines: {json.dumps(res['engines'])}")
-    print(f"publish: {json.dumps(res['publish'])}")
-    print(f"plot: {res['plot']}; total {res['total_runtime_s']:.0f} s")
+    print(f"plot: {res['plot']}")
+
+
+def print_staleness(stale: dict) -> None:
+    print(
+        f"\nstaleness (greedy accuracy, median over seeds; steps to {STALE_THRESHOLD}; "
+        f"collapses = runs falling > {COLLAPSE_DROP} below their best)"
+    )
+    header = "".join(f"{'@' + str(s):>7}" for s in STALE_REPORT_STEPS)
+    print(f"{'loss':<6}{'d':>4}{header}{'steps to':>10}{'collapses':>11}")
+    for loss, by_lag in stale["summary"].items():
+        for lag, row in sorted(by_lag.items(), key=lambda item: int(item[0])):
+            cells = ""
+            for step in map(str, STALE_REPORT_STEPS):
+                value = row["median_at"][step]
+                cells += f"{value:>7.3f}" if value is not None else f"{'-':>7}"
+            seeds = len(row["seeds"])
+            steps_to = f"{row['median_steps_to']:.0f} ({row['steps_to_reached']}/{seeds})"
+            print(f"{loss:<6}{lag:>4}{cells}{steps_to:>10}{row['collapses']:>9}/{seeds}")
+    print(f"plot: {stale['plot']}")
 
 
 def main() -> None:
@@ -439,9 +642,19 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", default="bench.json", help="where to write the JSON results")
-    parser.add_argument("--quick", action="store_true", help="~2 min smoke test with the same keys")
+    parser.add_argument("--quick", action="store_true", help="a smoke test with the same keys")
+    parser.add_argument(
+        "--sections",
+        default="time_to_accuracy,staleness,engines,publish",
+        help="comma list of the sections to run",
+    )
     parser.add_argument("--seeds", type=int, default=3, help="seeds per mode for time to accuracy")
     parser.add_argument("--budget", type=float, default=120.0, help="seconds of training per run")
+    parser.add_argument("--lags", default="0,1,2,4,8", help="staleness: versions behind, d")
+    parser.add_argument("--losses", default="tb", help="staleness: comma list of losses")
+    parser.add_argument("--stale_seeds", type=int, default=3, help="staleness: seeds per setting")
+    parser.add_argument("--stale_steps", type=int, default=400, help="staleness: steps per run")
+    parser.add_argument("--jobs", type=int, default=2, help="staleness: runs at a time")
     parser.add_argument(
         "--warm_start",
         default="runs/bench",
@@ -453,10 +666,11 @@ def main() -> None:
         nargs="*",
         default=[],
         metavar="FIELD=VALUE",
-        help="TBAConfig overrides of the tiny preset for both modes",
+        help="TBAConfig overrides of the tiny preset for every run",
     )
     args = parser.parse_args()
     start = time.monotonic()
+    sections = args.sections.split(",")
     overrides = {}
     for item in args.set:
         name, value = item.split("=", 1)
@@ -476,30 +690,50 @@ def main() -> None:
         else:
             train, _, val = tiny_task()
             model_dir = tiny_warm_start(Path(args.warm_start), train, val, seed=0)
-        runs = []
-        for seed in range(seeds):
-            for synchronous in (False, True):
-                log(f"time to accuracy: {'sync' if synchronous else 'async'}, seed {seed}")
-                runs.append(timed_run(model_dir, synchronous, seed, budget, overrides))
-                log(
-                    f"  to {TARGET}: {runs[-1]['time_to'][str(TARGET)]} s, "
-                    f"{runs[-1]['steps_per_s']:.2f} steps/s"
-                )
-        res["runs"], res["time_to_accuracy"] = runs, summarize(runs, budget)
-        res["plot"] = plot(runs, Path(args.out).with_suffix(".png"))
-        res["parallel_speedup_end"] = parallel_speedup(1.0 if args.quick else 3.0)
-        log("engines")
-        res["engines"] = bench_engines(root, args.quick)
-        log("publish")
-        res["publish"] = bench_publish(
-            2 if args.quick else 7,
-            model_kwargs=dict(LLAMA_110M, num_hidden_layers=2) if args.quick else LLAMA_110M,
-        )
-        if torch.cuda.is_available():
-            res["publish_cuda_ipc"] = bench_publish(3, device="cuda:0")
+        if "time_to_accuracy" in sections:
+            runs = []
+            for seed in range(seeds):
+                for synchronous in (False, True):
+                    log(f"time to accuracy: {'sync' if synchronous else 'async'}, seed {seed}")
+                    runs.append(timed_run(model_dir, synchronous, seed, budget, overrides))
+                    log(
+                        f"  to {TARGET}: {runs[-1]['time_to'][str(TARGET)]} s, "
+                        f"{runs[-1]['steps_per_s']:.2f} steps/s"
+                    )
+            res["runs"] = runs
+            res["time_to_accuracy"] = summarize(runs, budget)
+            res["plot"] = plot(runs, Path(args.out).with_suffix(".png"))
+            res["parallel_speedup_end"] = parallel_speedup(1.0 if args.quick else 3.0)
+            print_time_to_accuracy(res)
+        if "staleness" in sections:
+            lags = [0, 2] if args.quick else [int(d) for d in args.lags.split(",")]
+            res["staleness"] = bench_staleness(
+                model_dir,
+                losses=args.losses.split(","),
+                lags=lags,
+                seeds=1 if args.quick else args.stale_seeds,
+                steps=4 if args.quick else args.stale_steps,
+                jobs=args.jobs,
+                overrides=overrides,
+                png=Path(args.out).with_name(Path(args.out).stem + "_staleness.png"),
+            )
+            print_staleness(res["staleness"])
+        if "engines" in sections:
+            log("engines")
+            res["engines"] = bench_engines(root, args.quick)
+            print(f"engines: {json.dumps(res['engines'])}")
+        if "publish" in sections:
+            log("publish")
+            res["publish"] = bench_publish(
+                2 if args.quick else 7,
+                model_kwargs=dict(LLAMA_110M, num_hidden_layers=2) if args.quick else LLAMA_110M,
+            )
+            if torch.cuda.is_available():
+                res["publish_cuda_ipc"] = bench_publish(3, device="cuda:0")
+            print(f"publish: {json.dumps(res['publish'])}")
     res["total_runtime_s"] = time.monotonic() - start
     Path(args.out).write_text(json.dumps(res, indent=2))
-    print_report(res)
+    print(f"total {res['total_runtime_s']:.0f} s; results in {args.out}")
 
 
 if __name__ == "__main__":

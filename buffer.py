@@ -20,6 +20,8 @@ This file imports nothing from the project (standard library only), so it can be
 * Prompts are drawn without replacement, cycling through each pool before repeating (as the
   official code does), so a step never trains twice on one prompt.
 * Groups with fewer than K eligible items are sampled with replacement (official behaviour).
+* ``sample(P, K, min_version=v)`` bounds the age of everything drawn: only items of version v
+  or newer, MOP and off-policy draws alike (``TBAConfig.max_train_lag``).
 * ``sample(P, K, version=v)`` is the synchronous baseline's: P prompts with items of version v,
   K of those items each.
 """
@@ -113,12 +115,23 @@ class ReplayBuffer:
         self._fresh.clear()
         self._mop_drawn.clear()
 
-    def mop_prompts(self, at_least: int) -> list[Hashable]:
+    def mop_prompts(self, at_least: int, min_version: int | None = None) -> list[Hashable]:
         """Prompts refreshed since the latest sync, or the ``at_least`` most recently refreshed
-        ones when fewer were."""
-        if len(self._fresh) >= at_least:
-            return [pid for pid in self.groups if pid in self._fresh]
-        return list(self.groups)[-at_least:]
+        ones when fewer were; with ``min_version``, only prompts holding items that new."""
+        eligible = [pid for pid in self.groups if self._holds_version(pid, min_version)]
+        fresh = [pid for pid in eligible if pid in self._fresh]
+        if len(fresh) >= at_least:
+            return fresh
+        return eligible[-at_least:]
+
+    def _holds_version(self, pid: Hashable, min_version: int | None) -> bool:
+        """Whether the prompt holds an item of ``min_version`` or newer (groups are sorted by
+        version, so its last item is its newest)."""
+        return min_version is None or self.groups[pid][-1].version >= min_version
+
+    def count_prompts_since(self, min_version: int) -> int:
+        """Prompts holding at least one item of ``min_version`` or newer."""
+        return sum(g[-1].version >= min_version for g in self.groups.values())
 
     def _draw_prompt(self, candidates: list[Hashable], drawn: set, exclude: set) -> Hashable:
         """A candidate not yet ``drawn`` in this cycle nor in ``exclude`` (this step's prompts);
@@ -149,49 +162,66 @@ class ReplayBuffer:
         return [items[i] for i in order[:count]]
 
     def sample(
-        self, num_prompts: int, per_prompt: int, version: int | None = None
+        self,
+        num_prompts: int,
+        per_prompt: int,
+        version: int | None = None,
+        min_version: int | None = None,
     ) -> tuple[list[list[Trajectory]], list[bool]]:
         """P groups of exactly K trajectories, and for each group whether it is most-on-policy.
-        With ``version`` (the synchronous baseline), P prompts holding items of that version
+
+        ``min_version``: a bound on age. Only items of that version or newer are eligible, MOP
+        and off-policy draws alike, and only prompts holding such items; so no trajectory in the
+        batch is older than ``min_version``.
+        ``version`` (the synchronous baseline): P prompts holding items of exactly that version
         and K of those items each, all on-policy.
 
         Raises ValueError when fewer than ``num_prompts`` prompts are eligible.
         """
-        everyone = [
-            pid
-            for pid, g in self.groups.items()
-            if version is None or any(t.version == version for t in g)
-        ]
+        if version is not None:
+            return self._sample_version(num_prompts, per_prompt, version)
+        everyone = [pid for pid in self.groups if self._holds_version(pid, min_version)]
         if len(everyone) < num_prompts:
+            since = "" if min_version is None else f" with items of version {min_version} or newer"
             raise ValueError(
                 f"ReplayBuffer.sample: {num_prompts} prompts asked, {len(everyone)} in the "
-                f"buffer" + ("" if version is None else f" with items of version {version}")
+                f"buffer{since}"
             )
-        if version is not None:
-            return [
-                self._draw_items(
-                    [t for t in self.groups[pid] if t.version == version], per_prompt, 0.0
-                )
-                for pid in self.rng.sample(everyone, num_prompts)
-            ], [True] * num_prompts
-        mop = self.mop_prompts(num_prompts)
-        batch, is_mop, chosen = [], [], set()
+        oldest = -math.inf if min_version is None else min_version
+        mop = self.mop_prompts(num_prompts, min_version)
+        batch = []
+        is_mop = []
+        chosen = set()
         for _ in range(num_prompts):
             if self.rng.random() < self.mop_prob:  # MOP: the newest items of a fresh prompt
                 pid = self._draw_prompt(mop, self._mop_drawn, chosen)
                 group = self.groups[pid]
-                batch.append(
-                    self._draw_items(
-                        [t for t in group if t.version == group[-1].version], per_prompt, 0.0
-                    )
-                )
+                newest = [t for t in group if t.version == group[-1].version]
+                batch.append(self._draw_items(newest, per_prompt, 0.0))
                 is_mop.append(True)
             else:
                 pid = self._draw_prompt(everyone, self._any_drawn, chosen)
-                batch.append(self._draw_items(self.groups[pid], per_prompt, self.inv_temp))
+                recent = [t for t in self.groups[pid] if t.version >= oldest]
+                batch.append(self._draw_items(recent, per_prompt, self.inv_temp))
                 is_mop.append(False)
             chosen.add(pid)
         return batch, is_mop
+
+    def _sample_version(
+        self, num_prompts: int, per_prompt: int, version: int
+    ) -> tuple[list[list[Trajectory]], list[bool]]:
+        """The synchronous baseline's sample: see ``sample``."""
+        holders = [pid for pid, g in self.groups.items() if any(t.version == version for t in g)]
+        if len(holders) < num_prompts:
+            raise ValueError(
+                f"ReplayBuffer.sample: {num_prompts} prompts asked, {len(holders)} in the "
+                f"buffer with items of version {version}"
+            )
+        batch = []
+        for pid in self.rng.sample(holders, num_prompts):
+            items = [t for t in self.groups[pid] if t.version == version]
+            batch.append(self._draw_items(items, per_prompt, 0.0))
+        return batch, [True] * num_prompts
 
     def count_version(self, version: int) -> int:
         """Prompts holding at least one item of ``version``."""

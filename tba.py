@@ -17,11 +17,14 @@ The algorithm (the main loops in the code are labelled with these numbers)
      c. score r(x, y) and log p_ref(y|x);
      d. send the trajectories (x, y, r, log p_ref, version) through a bounded queue.
   2. The trainer (trainer.py) drains the queue into a replay buffer grouped by prompt (buffer.py).
-     It waits for the initial fill, then only while its newest data is over max_lag versions old.
+     It waits for the initial fill, then only while its newest data is over max_lag versions old
+     (or, with max_train_lag, until P prompts hold data at most that many versions old).
   3. Each step samples P groups of K trajectories. With probability m a group is MOP: a prompt
      refreshed since the latest publish (or one of the P most recently refreshed) with its
      newest items; else any prompt, items drawn by softmax(r * inv_temp). Stale data is fine:
-     the TB optimum does not depend on where the samples came from.
+     the TB optimum does not depend on where the samples came from. Optionally (max_train_lag)
+     only items at most that many versions behind are eligible: the optimum does not move, but
+     the variance of a step does (README, "Why TB for asynchrony").
   4. It recomputes log pi(y|x) with gradients and takes an AdamW step on the VarGrad TB loss
      (Eq. 5): d_i = log pi(y_i|x) - log p_ref(y_i|x) - r(x, y_i) / beta, log Z = -mean_i d_i
      (detached), L = mean over the P prompts and their K responses of (log Z + d_i)^2.
@@ -493,6 +496,12 @@ class TBAConfig:
         "the trainer waits while its newest data is more than this many versions "
         "old (-1: never); the released run's barrier: 2k - 1 = 3",
     )
+    max_train_lag: int = _knob(
+        -1,
+        "every trajectory a step trains on is at most this many versions behind the trainer, "
+        "most-on-policy and replayed alike; the trainer waits until P prompts hold such data "
+        "(-1: no bound, the released run, whose replay reaches the whole buffer)",
+    )
     buffer_capacity: int = _knob(
         100, "trajectories kept per prompt (oldest evicted, dedup by tokens)"
     )
@@ -595,6 +604,11 @@ class TBAConfig:
             f"({self.buffer_capacity}), or one generate call evicts its own samples",
         )
         need(0.0 <= self.mop_prob <= 1.0, f"mop_prob must be in [0, 1], got {self.mop_prob}")
+        need(
+            self.max_train_lag == -1 or self.max_train_lag >= self.sync_every - 1,
+            "max_train_lag must be -1 (no bound) or >= sync_every - 1 = "
+            f"{self.sync_every - 1}: only every k-th version is published",
+        )
         need(
             self.max_lag == -1 or self.max_lag >= self.sync_every - 1,
             "max_lag must be -1 (no bound) or >= sync_every - 1 = "

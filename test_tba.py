@@ -406,6 +406,32 @@ def test_buffer_dedup_keeps_newest_and_capacity_evicts_oldest():
         buf.add(traj("c", [1], reward=float("nan")))
 
 
+def test_buffer_min_version_bounds_the_age_of_every_draw():
+    """With min_version no drawn item is older, MOP or replayed, and prompts holding only
+    older items are never drawn; too few such prompts is a loud error."""
+    buf = ReplayBuffer(capacity=8, mop_prob=0.5, seed=3)
+    for pid in range(12):
+        for version in range(pid % 6):  # prompt p holds versions 0 .. p % 6 - 1
+            buf.add(traj(pid, [version, 7], reward=float(version), version=version))
+        buf.add(traj(pid, [99], version=pid % 6))
+    buf.mark_sync()
+    for pid in (0, 4, 5, 11):  # refreshed after the sync, two of them with old items only
+        buf.add(traj(pid, [98], version=pid % 6))
+    young = {pid for pid in range(12) if pid % 6 >= 4}
+    assert buf.count_prompts_since(4) == len(young) == 4
+    seen = set()
+    for _ in range(200):
+        groups, _ = buf.sample(3, 2, min_version=4)
+        for group in groups:
+            assert all(t.version >= 4 for t in group)
+            seen.add(group[0].prompt_id)
+    assert seen == young
+    unbounded = {g[0].prompt_id for _ in range(200) for g in buf.sample(3, 2)[0]}
+    assert unbounded - young  # without the bound, old prompts are drawn too
+    with pytest.raises(ValueError, match="with items of version 5 or newer"):
+        buf.sample(3, 2, min_version=5)
+
+
 def test_buffer_shapes_and_sampling_with_replacement():
     buf = ReplayBuffer(capacity=10, seed=0)
     for pid in range(5):
@@ -830,6 +856,36 @@ def test_system_searcher_error_fails_trainer_fast_with_traceback(tiny_model_dir,
         time.monotonic() - start < 30
     )  # seconds (model loading included), never the 300 s timeout
     assert child_pids() == [] and multiprocessing.active_children() == []
+
+
+def test_trainer_with_max_train_lag_waits_for_young_data_and_counts_lags(tiny_model_dir):
+    """max_train_lag 1: the trainer is not ready until P prompts hold data at most one version
+    old, and then trains on nothing older; the per-lag counts cover the whole batch."""
+    cfg = cpu_config(
+        tiny_model_dir,
+        num_generations=2,
+        responses_per_prompt=2,
+        prompts_per_step=2,
+        initial_samples=4,
+        sync_every=1,
+        max_lag=1,
+        max_train_lag=1,
+        mop_prob=0.5,
+    )
+    trainer = Trainer(cfg, torch.device("cpu"), pad_id=0, eos_id=1)
+    trainer.step = 5
+    for pid in range(4):
+        for tokens in ([10, 1], [11, 1]):
+            trainer.buffer.add(traj(pid, tokens, version=1))  # four versions old
+    trainer.buffer.add(traj(0, [12, 1], version=4))
+    assert not trainer.ready()  # one young prompt, P = 2
+    trainer.buffer.add(traj(1, [12, 1], version=5))
+    assert trainer.ready()
+    metrics = trainer.train_step()
+    assert metrics["async/lag_max"] <= 1
+    counts = [metrics[f"async/lag_{lag}"] for lag in range(4)] + [metrics["async/lag_4plus"]]
+    assert sum(counts) == cfg.prompts_per_step * cfg.responses_per_prompt
+    assert counts[2:] == [0.0, 0.0, 0.0]
 
 
 def test_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
@@ -1517,6 +1573,12 @@ def test_bench_quick_writes_every_key(tmp_path):
         assert engines["vllm_tokens_per_s"] > 0 and engines["hf_tokens_per_s"] > 0
         assert engines["vllm_load_s"] > 0 and engines["hf_load_s"] > 0
     assert "sync / async time to 0.9" in proc.stdout  # the printed report
+    stale = res["staleness"]
+    assert set(stale["summary"]["tb"]) == {"0", "2"}
+    by_lag = {run["lag"]: run for run in stale["runs"]}
+    assert by_lag[0]["generated_by"] == [0, 1, 2, 3]  # on-policy: the current weights
+    assert by_lag[2]["generated_by"] == [0, 0, 0, 1]  # two versions behind, version 0 at first
+    assert [step for step, _ in by_lag[2]["curve"]] == [0, 4]
 
 
 # ========================================================================= the main job, end to end
