@@ -72,6 +72,8 @@ class ReplayBuffer:
         self._fresh: set[Hashable] = set()  # prompts refreshed since the latest mark_sync()
         self._mop_drawn: set[Hashable] = set()  # drawn as MOP in this cycle of the fresh set
         self._any_drawn: set[Hashable] = set()  # drawn off-policy in this cycle of all prompts
+        self._mop_since_sync: set[Hashable] = set()  # drawn as MOP since the latest sync
+        self.fresh_untrained = 0  # refreshed prompts no step drew as MOP before the last sync
 
     # ------------------------------------------------------------------ adding
 
@@ -111,9 +113,13 @@ class ReplayBuffer:
         return sum(self._per_version.values())
 
     def mark_sync(self) -> None:
-        """The trainer has published new weights: the MOP set starts afresh."""
+        """The trainer has published new weights: the MOP set starts afresh. Prompts refreshed
+        since the previous sync that no step drew as MOP are counted (``buffer/fresh_untrained``
+        in ``stats()``): data arriving faster than the trainer uses it."""
+        self.fresh_untrained = len(self._fresh - self._mop_since_sync)
         self._fresh.clear()
         self._mop_drawn.clear()
+        self._mop_since_sync.clear()
 
     def mop_prompts(self, at_least: int, min_version: int | None = None) -> list[Hashable]:
         """Prompts refreshed since the latest sync, or the ``at_least`` most recently refreshed
@@ -195,6 +201,7 @@ class ReplayBuffer:
         for _ in range(num_prompts):
             if self.rng.random() < self.mop_prob:  # MOP: the newest items of a fresh prompt
                 pid = self._draw_prompt(mop, self._mop_drawn, chosen)
+                self._mop_since_sync.add(pid)
                 group = self.groups[pid]
                 newest = [t for t in group if t.version == group[-1].version]
                 batch.append(self._draw_items(newest, per_prompt, 0.0))
@@ -238,6 +245,7 @@ class ReplayBuffer:
             "buffer/trajectories": float(total),
             "buffer/frac_newest": self._per_version[self.newest_version] / total if total else 0.0,
             "buffer/fresh": float(len(self._fresh)),
+            "buffer/fresh_untrained": float(self.fresh_untrained),
         }
         if current_version is not None and total:
             out["buffer/lag_mean"] = (
@@ -259,6 +267,7 @@ class ReplayBuffer:
             "groups": [[pid, [dict(vars(t)) for t in g]] for pid, g in self.groups.items()],
             "fresh": [pid for pid in self.groups if pid in self._fresh],
             "mop_drawn": [pid for pid in self.groups if pid in self._mop_drawn],
+            "mop_since_sync": [pid for pid in self.groups if pid in self._mop_since_sync],
             "any_drawn": [pid for pid in self.groups if pid in self._any_drawn],
         }
 
@@ -271,6 +280,7 @@ class ReplayBuffer:
         self._per_version = Counter(t.version for g in self.groups.values() for t in g)
         self._fresh = {_key(p) for p in state["fresh"]}
         self._mop_drawn = {_key(p) for p in state["mop_drawn"]}
+        self._mop_since_sync = {_key(p) for p in state.get("mop_since_sync", [])}
         self._any_drawn = {_key(p) for p in state["any_drawn"]}
 
 
