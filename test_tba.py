@@ -17,6 +17,7 @@ import os
 import pickle
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -55,7 +56,13 @@ from tba import (
     config_argparser,
     config_from_args,
     group_logprobs,
+    group_token_logprobs,
+    grpo_advantages,
+    grpo_loss,
+    grpo_metrics,
+    k3_kl,
     pad_sequences,
+    scored_tokens,
     sequence_logprobs,
     tb_log_z,
     tb_loss,
@@ -226,6 +233,218 @@ def test_tb_off_policy_converges_to_closed_form_target():
         )  # and not 0 elsewhere
 
 
+# ========================================================================= the GRPO baseline's loss
+
+
+def random_grpo_batch(seed, b=6, t=7, spread=0.6):
+    """(logp, old_logp, ref_logp, mask, advantages) in fp64 with ragged lengths (one row fully
+    masked) and log-ratios ~ N(0, spread), so many ratios fall outside [0.8, 1.2]."""
+    gen = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(b, t, generator=gen, dtype=torch.float64) * 3
+    old = logp + torch.randn(b, t, generator=gen, dtype=torch.float64) * spread
+    ref = logp + torch.randn(b, t, generator=gen, dtype=torch.float64) * spread
+    lengths = torch.randint(1, t + 1, (b,), generator=gen)
+    lengths[0] = t
+    lengths[1] = 0
+    mask = torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)
+    adv = torch.randn(b, generator=gen, dtype=torch.float64)
+    return logp, old, ref, mask, adv
+
+
+def slow_grpo(logp, old, ref, mask, adv, clip_eps, kl_coef):
+    """Reference: loops over sequences and tokens in Python floats, straight from the formulas
+    of grpo_loss's docstring. Returns the loss and d loss / d logp (derived by hand)."""
+    b, t = len(logp), len(logp[0])
+    n = sum(1 for i in range(b) for j in range(t) if mask[i][j])
+    total = 0.0
+    grad = [[0.0] * t for _ in range(b)]
+    for i in range(b):
+        a = adv[i]
+        for j in range(t):
+            if not mask[i][j]:
+                continue
+            rho = math.exp(logp[i][j] - old[i][j])
+            rho_clipped = min(max(rho, 1 - clip_eps), 1 + clip_eps)
+            if rho * a <= rho_clipped * a:
+                surr, d_surr = rho * a, rho * a
+            else:
+                surr, d_surr = rho_clipped * a, 0.0
+            x = ref[i][j] - logp[i][j]
+            kl = math.exp(x) - x - 1
+            d_kl = 1 - math.exp(x)
+            total += -(surr - kl_coef * kl)
+            grad[i][j] = -(d_surr - kl_coef * d_kl) / max(n, 1)
+    return total / max(n, 1), grad
+
+
+@pytest.mark.parametrize("clip_eps, kl_coef", [(0.2, 0.0), (0.2, 0.04), (0.1, 1.0), (0.35, 0.3)])
+def test_grpo_loss_matches_slow_loop(clip_eps, kl_coef):
+    """Value and gradient, with masked slots holding -inf, NaN and inf (they must reach
+    neither)."""
+    for seed in range(4):
+        logp, old, ref, mask, adv = random_grpo_batch(seed)
+        ratio = torch.exp(logp - old)[mask]
+        assert (ratio > 1 + clip_eps).any() and (ratio < 1 - clip_eps).any()
+        want, want_grad = slow_grpo(
+            logp.tolist(),
+            old.tolist(),
+            ref.tolist(),
+            mask.tolist(),
+            adv.tolist(),
+            clip_eps,
+            kl_coef,
+        )
+        x = logp.masked_fill(~mask, -math.inf).requires_grad_()
+        old_g = old.masked_fill(~mask, math.nan)
+        ref_g = ref.masked_fill(~mask, math.inf)
+        loss = grpo_loss(x, old_g, ref_g, mask.long(), adv, clip_eps=clip_eps, kl_coef=kl_coef)
+        (grad,) = torch.autograd.grad(loss, x)
+        assert loss.dtype == torch.float32
+        assert loss.item() == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert torch.isfinite(grad).all()
+        want_grad = torch.tensor(want_grad, dtype=torch.float64)
+        torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_grpo_loss_computes_in_fp32_from_bf16_inputs():
+    logp, old, ref, mask, adv = random_grpo_batch(7)
+    want, _ = slow_grpo(
+        logp.bfloat16().double().tolist(),
+        old.bfloat16().double().tolist(),
+        ref.bfloat16().double().tolist(),
+        mask.tolist(),
+        adv.tolist(),
+        0.2,
+        0.1,
+    )
+    x = logp.bfloat16().requires_grad_()
+    loss = grpo_loss(x, old.bfloat16(), ref.bfloat16(), mask, adv, kl_coef=0.1)
+    loss.backward()
+    assert loss.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    assert loss.item() == pytest.approx(want, rel=1e-4, abs=1e-6)
+
+
+def test_grpo_loss_rejects_bad_input():
+    logp, old, ref, mask, adv = random_grpo_batch(0)
+    with pytest.raises(ValueError, match="share"):
+        grpo_loss(logp, old[:, :-1], ref, mask, adv)
+    with pytest.raises(ValueError, match="advantages"):
+        grpo_loss(logp, old, ref, mask, adv.unsqueeze(1))
+    with pytest.raises(ValueError, match="ref_logp"):
+        grpo_loss(logp, old, None, mask, adv, kl_coef=0.1)
+    with pytest.raises(ValueError, match="clip_eps"):
+        grpo_loss(logp, old, ref, mask, adv, clip_eps=0.0)
+    assert torch.isfinite(grpo_loss(logp, old, None, mask, adv))
+    empty = grpo_loss(logp, old, ref, torch.zeros_like(mask), adv, kl_coef=0.1)
+    assert empty.item() == 0.0
+
+
+@pytest.mark.parametrize("p, k, t, v", [(1, 2, 3, 2), (3, 4, 5, 6), (2, 8, 9, 4)])
+def test_grpo_gradient_on_policy_equals_reinforce_with_group_baseline(p, k, t, v):
+    """A free categorical over v tokens at each of t positions per prompt, logits (p, t, v).
+    With old_logp = logp.detach() and no KL the gradient must be REINFORCE with the group
+    baseline, token-weighted: -(1/N) sum_i A_i sum_t m_it grad log pi(y_it), N real tokens, in
+    closed form d log softmax(z)_y / dz = onehot(y) - softmax(z)."""
+    gen = torch.Generator().manual_seed(100 * p + k)
+    logits = (torch.randn(p, t, v, generator=gen, dtype=torch.float64) * 1.5).requires_grad_()
+    probs = torch.softmax(logits.detach(), dim=-1)
+    y = torch.multinomial(probs.repeat_interleave(k, 0).reshape(-1, v), 1, generator=gen)
+    y = y.reshape(p, k, t)
+    lengths = torch.randint(1, t + 1, (p, k), generator=gen)
+    lengths[0, 0] = 1
+    lengths[0, 1] = t
+    mask = torch.arange(t) < lengths.unsqueeze(-1)
+    reward = torch.randn(p, k, generator=gen, dtype=torch.float64)
+    adv = grpo_advantages(reward)
+
+    logp_all = torch.log_softmax(logits, dim=-1).unsqueeze(1).expand(p, k, t, v)
+    logp = logp_all.gather(-1, y.unsqueeze(-1)).squeeze(-1).reshape(p * k, t)
+    loss = grpo_loss(logp, logp.detach(), None, mask.reshape(p * k, t), adv.reshape(-1))
+    (grad,) = torch.autograd.grad(loss, logits)
+
+    n = int(mask.sum())
+    want = torch.zeros(p, t, v, dtype=torch.float64)
+    for i in range(p):
+        for j in range(k):
+            for s in range(t):
+                if not mask[i, j, s]:
+                    continue
+                g = -probs[i, s].clone()
+                g[y[i, j, s]] += 1.0
+                want[i, s] -= float(adv[i, j]) * g / n
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-7)
+    assert grad.abs().max() > 1e-3
+
+
+def test_grpo_clipped_tokens_get_no_gradient():
+    """One token per row: (A, ratio, d loss / d logp * N) in the two clipped cases, the two
+    unclipped ones outside the range, and inside it."""
+    eps = 0.2
+    cases = [
+        (1.0, 1.5, 0.0),  # A > 0, ratio > 1 + eps: clipped
+        (-1.0, 0.5, 0.0),  # A < 0, ratio < 1 - eps: clipped
+        (1.0, 0.5, -0.5),  # A > 0, ratio < 1 - eps: -ratio A
+        (-2.0, 1.5, 3.0),  # A < 0, ratio > 1 + eps: the unclipped branch is the min
+        (0.5, 1.1, -0.55),  # inside the range
+    ]
+    n = len(cases)
+    adv = torch.tensor([c[0] for c in cases], dtype=torch.float64)
+    old = torch.full((n, 1), -1.0, dtype=torch.float64)
+    ratio = torch.tensor([[c[1]] for c in cases], dtype=torch.float64)
+    logp = (old + torch.log(ratio)).requires_grad_()
+    loss = grpo_loss(logp, old, None, torch.ones(n, 1), adv, clip_eps=eps)
+    (grad,) = torch.autograd.grad(loss, logp)
+    want = torch.tensor([[c[2] / n] for c in cases], dtype=torch.float64)
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-7)
+    assert grad[0, 0] == 0 and grad[1, 0] == 0
+    metrics = grpo_metrics(logp, old, old, torch.ones(n, 1), adv, clip_eps=eps)
+    assert metrics["clip_frac"].item() == pytest.approx(2 / n)
+    assert metrics["ratio_mean"].item() == pytest.approx(ratio.mean().item())
+
+
+def test_k3_kl_is_nonnegative_zero_at_the_reference_and_unbiased():
+    x = torch.linspace(-20, 20, 4001, dtype=torch.float64)
+    logp = torch.full_like(x, -3.0)
+    kl = k3_kl(logp, logp + x)
+    assert (kl >= 0).all() and kl[2000].item() == 0.0
+    want = torch.tensor([math.exp(v) - v - 1 for v in x.tolist()], dtype=torch.float32)
+    torch.testing.assert_close(kl, want, rtol=1e-5, atol=1e-6)
+    # With A = 0 the loss is kl_coef times the token mean of k3: 0, with its gradient, at ref.
+    logp, old, ref, mask, _ = random_grpo_batch(3)
+    x = logp.clone().requires_grad_()
+    loss = grpo_loss(x, old, logp, mask, torch.zeros(len(logp)), kl_coef=0.5)
+    (grad,) = torch.autograd.grad(loss, x)
+    assert loss.item() == 0.0 and (grad == 0).all()
+    loss = grpo_loss(logp, old, ref, mask, torch.zeros(len(logp)), kl_coef=0.5)
+    assert loss.item() == pytest.approx(0.5 * k3_kl(logp, ref)[mask].mean().item(), rel=1e-6)
+    # E_{y ~ pi}[k3] = KL(pi || ref) exactly over a full-support categorical: the direction is
+    # KL(pi || p_ref), not the reverse.
+    gen = torch.Generator().manual_seed(5)
+    logp = torch.log_softmax(torch.randn(9, generator=gen, dtype=torch.float64) * 2, dim=0)
+    ref = torch.log_softmax(torch.randn(9, generator=gen, dtype=torch.float64) * 2, dim=0)
+    expected_k3 = (logp.exp() * k3_kl(logp, ref).double()).sum().item()
+    assert expected_k3 == pytest.approx((logp.exp() * (logp - ref)).sum().item(), rel=1e-5)
+
+
+def test_grpo_advantages_match_slow_loop_and_zero_variance_groups_get_zero():
+    gen = torch.Generator().manual_seed(11)
+    reward = torch.randn(5, 6, generator=gen, dtype=torch.float64) * 3
+    got = grpo_advantages(reward)
+    assert got.dtype == torch.float32 and got.shape == reward.shape
+    for row, got_row in zip(reward.tolist(), got.tolist(), strict=True):
+        mean, std = statistics.fmean(row), statistics.stdev(row)  # sample std, as TRL
+        assert got_row == pytest.approx([(r - mean) / (std + 1e-4) for r in row], rel=1e-5)
+    # Equal rewards give exactly 0: in fp32 the mean of 8 copies of 0.9 or 1000.3 is an ulp
+    # off, which (r - mean) / (std + 1e-4) would blow up to ~6e-4 and ~0.37.
+    reward = torch.tensor([[0.9] * 8, [1000.3] * 8, [1.0] * 8, [0.0, 1.0] * 4, [0.7] * 8])
+    adv = grpo_advantages(reward)
+    assert (adv[[0, 1, 2, 4]] == 0).all() and (adv[3] != 0).all()
+    with pytest.raises(ValueError, match="K must be >= 2"):
+        grpo_advantages(torch.ones(4, 1))
+    with pytest.raises(ValueError, match="NaN"):
+        grpo_advantages(torch.tensor([[0.0, math.nan]]))
+
+
 class CumsumLM(torch.nn.Module):
     """A toy causal LM: logits at t = cumulative sum of token embeddings up to t."""
 
@@ -314,6 +533,41 @@ def test_group_logprobs_shared_prompt_equals_one_forward_per_row(tiny_model_dir,
     torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-4)
     for a, b in zip(shared_grads, plain_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("include_eos", [True, False])
+def test_group_token_logprobs_align_with_scored_tokens_and_sum_to_group_logprobs(
+    tiny_model_dir, include_eos
+):
+    """GRPO's per-token log-probs: row b holds log softmax(logits / T) of scored_tokens of its
+    response, token by token from column 0 (a loop checks each), padding 0 and masked; rows sum
+    to group_logprobs; the shared prompt gives the same tokens."""
+    model, eos = CumsumLM(), 10
+    prompts, groups = [[1, 2, 3], [4, 5]], [[[6, 7, eos], [8, 9]], [[eos], [3, eos]]]
+    kwargs = dict(pad_id=0, eos_id=eos, temperature=0.7, include_eos=include_eos)
+    token_logp, mask = group_token_logprobs(model, prompts, groups, share_prompt=False, **kwargs)
+    flat = [(p, r) for p, g in zip(prompts, groups, strict=True) for r in g]
+    assert token_logp.shape == mask.shape == (4, 3 if include_eos else 2)
+    for row, (p, r) in enumerate(flat):
+        scored = scored_tokens(r, eos, include_eos)
+        assert mask[row].tolist() == [1] * len(scored) + [0] * (mask.shape[1] - len(scored))
+        for j in range(len(scored)):
+            want = loop_logprob(model, p + scored[:j], scored[j : j + 1], 0.7)
+            assert token_logp[row, j].item() == pytest.approx(want, abs=1e-5)
+        assert (token_logp[row, len(scored) :] == 0).all()
+    summed = group_logprobs(model, prompts, groups, share_prompt=False, **kwargs)
+    torch.testing.assert_close(token_logp.sum(1).view(2, 2), summed)
+
+    tiny = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13]]
+    groups = [[[20, 21, 1], [22, 1], [23, 24, 25, 26]], [[1], [28, 29, 30, 1], [31]]]
+    kwargs = dict(pad_id=0, eos_id=1, temperature=0.7, include_eos=include_eos)
+    shared, shared_mask = group_token_logprobs(tiny, prompts, groups, **kwargs)
+    plain, plain_mask = group_token_logprobs(tiny, prompts, groups, share_prompt=False, **kwargs)
+    assert torch.equal(shared_mask, plain_mask)
+    torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-5)
+    summed = group_logprobs(tiny, prompts, groups, **kwargs)
+    assert torch.equal(shared.sum(1).view(2, 3), summed)  # the very same arithmetic
 
 
 # ================================================================================ schedules, config
