@@ -792,6 +792,26 @@ def test_buffer_state_round_trip(tmp_path):
         assert a[1] == b[1]
 
 
+def test_buffer_state_round_trips_grpo_log_probs_and_reads_older_states(tmp_path):
+    """GRPO's per-token lists survive a checkpoint (weights_only); a state saved before they
+    existed loads with None."""
+    buf = ReplayBuffer(capacity=4, seed=1)
+    buf.add(Trajectory(0, [5], [7, 8, 1], 1.0, -2.0, 0, [-0.5, -1.5], [-0.25, -1.0]))
+    buf.add(traj(1, [9, 1]))
+    torch.save(buf.state_dict(), tmp_path / "buf.pt")
+    copy = ReplayBuffer()
+    copy.load_state_dict(torch.load(tmp_path / "buf.pt", weights_only=True))
+    assert copy.groups[0][0].logprobs == [-0.5, -1.5]
+    assert copy.groups[0][0].ref_token_logprobs == [-0.25, -1.0]
+    assert copy.groups[1][0].logprobs is None and copy.groups[1][0].ref_token_logprobs is None
+    old = buf.state_dict()
+    for _, items in old["groups"]:
+        for item in items:
+            del item["logprobs"], item["ref_token_logprobs"]
+    copy.load_state_dict(old)
+    assert copy.groups[0][0].logprobs is None and copy.groups[0][0].response_tokens == [7, 8, 1]
+
+
 # ========================================================================================== rewards
 
 
