@@ -8,6 +8,7 @@ installed; the CUDA test skips without a GPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -68,7 +69,7 @@ from tba import (
     tb_loss,
     wsd_lr_factor,
 )
-from trainer import SearcherFailed, Trainer, run_tba
+from trainer import SearcherFailed, Trainer, padded, run_tba
 
 REPO = Path(__file__).resolve().parent
 
@@ -1156,10 +1157,142 @@ def test_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
     for size in (3, 7, 12, 0):
         trainer.cfg = TBAConfig(**cfg, micro_batch_size=size)
         trainer.model.zero_grad(set_to_none=True)
-        loss, log_z, _ = trainer.backward(groups, 0.05)
-        assert loss == pytest.approx(want_loss.item(), rel=1e-5) and len(log_z) == 4
+        metrics = trainer.backward(groups, 0.05)
+        assert metrics["loss/tb"] == pytest.approx(want_loss.item(), rel=1e-5)
+        assert "loss/grpo" not in metrics
         for want, p in zip(want_grads, trainer.model.parameters(), strict=True):
             torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6)
+
+
+def grpo_trainer(model_dir: str, **overrides) -> Trainer:
+    values = dict(
+        model=model_dir,
+        dtype="float32",
+        trainer_device="cpu",
+        searcher_devices="cpu",
+        num_searchers=1,
+        num_generations=3,
+        responses_per_prompt=3,
+        prompts_per_step=4,
+        loss="grpo",
+    )
+    values.update(overrides)
+    return Trainer(TBAConfig(**values), torch.device("cpu"), pad_id=0, eos_id=1)
+
+
+def test_grpo_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
+    """Trainer.backward under --loss grpo in passes of 1, 2 or all 4 prompt groups gives
+    grpo_loss on the whole (P, K) batch, token-level, and its gradient: each pass weighs by its
+    share of the scored tokens. Responses end in EOS (not scored) or are cut; one is EOS only;
+    one group's rewards are all equal; behaviour log-probs are off-policy, so some clip."""
+    rng = random.Random(0)
+    groups = [
+        [
+            Trajectory(
+                p,
+                [5, 6, 7 + p],
+                [rng.randrange(4, 60) for _ in range(rng.randint(0, 6))] + [1] * (k != 1),
+                float(rng.random() < 0.5) if p else 1.0,
+                0.0,
+                0,
+            )
+            for k in range(3)
+        ]
+        for p in range(4)
+    ]
+    groups[0][0].response_tokens = [1]
+    trainer = grpo_trainer(tiny_model_dir)
+    logp, mask = group_token_logprobs(
+        trainer.model,
+        [g[0].prompt_tokens for g in groups],
+        [[t.response_tokens for t in g] for g in groups],
+        pad_id=0,
+        eos_id=1,
+        temperature=0.7,
+        include_eos=False,
+        share_prompt=False,
+    )
+    gen = torch.Generator().manual_seed(1)
+    old = (logp.detach() + torch.randn(logp.shape, generator=gen) * 0.3) * mask
+    ref = (logp.detach() + torch.randn(logp.shape, generator=gen) * 0.3) * mask
+    for i, t in enumerate(t for g in groups for t in g):
+        n = int(mask[i].sum())
+        t.logprobs, t.ref_token_logprobs = old[i, :n].tolist(), ref[i, :n].tolist()
+    reward = torch.tensor([[t.reward for t in g] for g in groups])
+    adv = grpo_advantages(reward).reshape(-1)
+    want_loss = grpo_loss(logp, old, ref, mask, adv, clip_eps=0.2, kl_coef=0.04)
+    want_grads = torch.autograd.grad(want_loss, list(trainer.model.parameters()))
+    want_metrics = grpo_metrics(logp, old, ref, mask, adv, clip_eps=0.2)
+    assert 0 < want_metrics["clip_frac"] < 1 and (adv.view(4, 3)[0] == 0).all()
+    for size in (3, 7, 12, 0):
+        trainer.cfg = dataclasses.replace(trainer.cfg, micro_batch_size=size)
+        trainer.model.zero_grad(set_to_none=True)
+        metrics = trainer.backward(groups, 0.05)
+        assert metrics["loss/grpo"] == pytest.approx(want_loss.item(), rel=1e-5)
+        for key in ("clip_frac", "kl", "ratio_mean"):
+            assert metrics[f"grpo/{key}"] == pytest.approx(want_metrics[key].item(), rel=1e-5)
+        assert "loss/tb" not in metrics
+        for want, p in zip(want_grads, trainer.model.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6)
+    groups[2][1].logprobs = [*groups[2][1].logprobs, -1.0]
+    with pytest.raises(ValueError, match=r"prompt 2: \d+ scored tokens"):
+        trainer.backward(groups, 0.05)
+    groups[2][1].logprobs = None
+    with pytest.raises(ValueError, match="prompt 2 has no per-token log-probs"):
+        trainer.backward(groups, 0.05)
+
+
+@pytest.mark.parametrize("tempered, eos_in_logprob", [(True, False), (False, True)])
+def test_hf_engine_records_the_trainers_logprobs_so_grpo_starts_at_ratio_one(
+    tiny_model_dir, tempered, eos_in_logprob
+):
+    """HFEngine.generate_with_logprobs scores each sampled token as the trainer does
+    (tempered or not); cut by the EOS rule (scored_tokens, as the searcher cuts them) they align
+    with the trainer's scored tokens, so on-policy GRPO sees ratio 1, no clipping, and (p_ref =
+    pi) KL 0."""
+    trainer = grpo_trainer(
+        tiny_model_dir,
+        num_generations=4,
+        responses_per_prompt=4,
+        prompts_per_step=2,
+        max_new_tokens=12,
+        tempered_logprobs=tempered,
+        eos_in_logprob=eos_in_logprob,
+    )
+    cfg = trainer.cfg
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    torch.manual_seed(0)
+    engine = HFEngine(cfg, torch.device("cpu"), eos_id=1, pad_id=0, model=trainer.model)
+    first, _ = engine.generate_with_logprobs(prompts, 4)
+    # The untrained model rarely emits EOS: let its most sampled token stand for EOS.
+    eos = max(range(4, 90), key=[t for o in first for r in o for t in r].count)
+    trainer.eos_id = engine.eos_id = eos
+    outputs, logps = engine.generate_with_logprobs(prompts, 4)
+    assert any(r[-1] == eos and len(r) < 12 for o in outputs for r in o)
+    token_logp, mask = group_token_logprobs(
+        trainer.model,
+        prompts,
+        outputs,
+        pad_id=0,
+        eos_id=eos,
+        temperature=cfg.logprob_temperature(),
+        include_eos=True,
+    )
+    rows = [lp for o in logps for lp in o]
+    assert [len(lp) for lp in rows] == mask.sum(1).tolist()
+    torch.testing.assert_close(padded(rows, mask.shape[1], "cpu"), token_logp, atol=1e-5, rtol=0)
+    groups = [
+        [
+            Trajectory(i, p, r, float(len(r)), 0.0, 0, lp[:n], lp[:n])
+            for r, lp in zip(o, lps, strict=True)
+            for n in [len(scored_tokens(r, eos, eos_in_logprob))]
+        ]
+        for i, (p, o, lps) in enumerate(zip(prompts, outputs, logps, strict=True))
+    ]
+    metrics = trainer.backward(groups, 0.05)
+    assert metrics["grpo/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["grpo/clip_frac"] == 0 and metrics["grpo/kl"] < 1e-9
+    assert metrics["loss/grpo"] != 0
 
 
 @pytest.mark.parametrize("fp32_master", [False, True])
