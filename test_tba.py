@@ -608,6 +608,10 @@ def test_paper_preset_is_the_released_run():
     assert (cfg.mop_prob, cfg.sync_every, cfg.inv_temp) == (0.95, 2, 0.0)
     assert (cfg.initial_samples, cfg.buffer_capacity) == (500, 100)
     assert cfg.total_steps // cfg.checkpoint_every == 4 and cfg.eval_every == 0
+    # TB is the paper's loss, in the paper and tiny presets; GRPO is the baseline (--loss grpo)
+    # at DeepSeekMath's KL weight and TRL's clip.
+    assert cfg.loss == "tb" and "loss" not in run_gsm8k.TINY_PRESET
+    assert (cfg.grpo_clip_eps, cfg.grpo_kl_coef) == (0.2, 0.04)
     # Each variant of the paper's equations is one flag away.
     variant = TBAConfig(
         tempered_logprobs=False, eos_in_logprob=True, fp32_master_weights=True, max_grad_norm=1.0
@@ -626,6 +630,13 @@ def test_config_validation_and_cli():
         TBAConfig(num_generations=200)
     with pytest.raises(ValueError, match="max_grad_norm"):
         TBAConfig(max_grad_norm=-1.0)
+    with pytest.raises(ValueError, match="loss 'ppo' is not one of"):
+        TBAConfig(loss="ppo")
+    with pytest.raises(ValueError, match="grpo_clip_eps"):
+        TBAConfig(grpo_clip_eps=1.0)
+    with pytest.raises(ValueError, match="grpo_kl_coef"):
+        TBAConfig(grpo_kl_coef=-0.1)
+    assert config_from_args(config_argparser().parse_args(["--loss", "grpo"])).loss == "grpo"
     args = config_argparser().parse_args(
         ["--total_steps", "7", "--synchronous", "--beta_end", "0.01", "--no-tempered_logprobs"]
     )
@@ -1090,6 +1101,45 @@ def test_system_synchronous_mode_has_zero_lag(tiny_model_dir, tmp_path):
     rows = read_metrics(tmp_path)
     assert len(rows) == 8
     assert all(r["async/lag_max"] == 0 and r["async/lag_mean"] == 0 for r in rows)
+    assert child_pids() == []
+
+
+def check_grpo_run(out: Path, steps: int, on_policy_tol: float | None) -> None:
+    """The metrics of a --loss grpo run, and its checkpoint's per-token lists; with
+    ``on_policy_tol`` (synchronous) ratio 1 and nothing clipped."""
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        assert "loss/tb" not in r and "train/beta" not in r
+        assert math.isfinite(r["loss/grpo"]) and r["train/grad_norm"] > 0
+        assert 0 <= r["grpo/clip_frac"] <= 1 and r["grpo/kl"] >= 0 and r["grpo/ratio_mean"] > 0
+        if on_policy_tol is not None:
+            assert r["async/lag_max"] == 0
+            assert r["grpo/ratio_mean"] == pytest.approx(1.0, abs=on_policy_tol)
+            assert r["grpo/clip_frac"] == 0
+    assert rows[0]["grpo/kl"] < 1e-6 and rows[-1]["grpo/kl"] > rows[0]["grpo/kl"]
+    state = torch.load(out / "checkpoint.pt", weights_only=True)["trainer"]["buffer"]
+    items = [t for _, group in state["groups"] for t in group]
+    assert items and all(
+        len(t["logprobs"]) == len(t["ref_token_logprobs"]) >= len(t["response_tokens"]) - 1
+        for t in items
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("synchronous", [False, True])
+def test_system_grpo_on_the_same_searchers_buffer_and_trainer(
+    tiny_model_dir, tmp_path, synchronous
+):
+    """--loss grpo through the whole system (two transformers searchers), asynchronous and
+    synchronous: the searchers record per-token log pi_old and log p_ref that align with the
+    trainer's scoring, and synchronous GRPO is on-policy (ratio 1: the engine's log-probs are
+    the trainer's)."""
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, loss="grpo", synchronous=synchronous, total_steps=8)
+    with time_limit(120):
+        trainer = run_tba(cfg, tiny_examples(), digit_reward, show_progress=False)
+    check_grpo_run(tmp_path, 8, 1e-4 if synchronous else None)
+    assert len(set(trainer.published.values())) > 2  # the weights moved
     assert child_pids() == []
 
 
@@ -1768,6 +1818,35 @@ def test_vllm_engine_generates_n_with_eos_from_the_tempered_policy(vllm_model_di
 
 @needs_vllm
 @pytest.mark.slow
+def test_vllm_engine_records_the_transformers_token_logprobs(vllm_model_dir):
+    """generate_with_logprobs: each sampled token's log-prob (EOS included) equals the
+    transformers one under the scoring rule, of logits / T when tempered_logprobs (vLLM's
+    processed log-probs), of the logits when not (raw). One engine per model: the tied one
+    tempered, the untied one not."""
+    hf = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
+    tempered = hf.config.tie_word_embeddings
+    cfg = vllm_cfg(vllm_model_dir, loss="grpo", tempered_logprobs=tempered)
+    engine = VLLMEngine(cfg, torch.device("cpu"), eos_id=1, seed=0)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    outputs, logps = engine.generate_with_logprobs(prompts, cfg.num_generations)
+    assert [len(o) for o in outputs] == [6, 6] and [len(o) for o in logps] == [6, 6]
+    rows = [lp for o in logps for lp in o]
+    kwargs = dict(pad_id=0, eos_id=1, include_eos=True)
+    with torch.no_grad():
+        want, mask = group_token_logprobs(
+            hf, prompts, outputs, temperature=cfg.logprob_temperature(), **kwargs
+        )
+        other, _ = group_token_logprobs(
+            hf, prompts, outputs, temperature=1.0 if tempered else 0.7, **kwargs
+        )
+    assert [len(lp) for lp in rows] == mask.sum(1).tolist()
+    got = padded(rows, mask.shape[1], "cpu")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert (got - other).abs().max() > 0.01  # the other rule is told apart
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_vllm_engine_loads_published_weights(vllm_model_dir):
     """After WeightStore.load_into(engine.load_weights) the engine's log-probs of fixed
     responses equal the trainer's, for two successive versions, and a greedy generation of a
@@ -1855,6 +1934,28 @@ def test_system_with_vllm_searchers_restarts_a_killed_one(vllm_tied_model_dir, t
     rows = read_metrics(tmp_path)
     assert trainer.step == 60 and killed and rows[-1]["async/searcher_restarts"] == 1
     assert rows[-1]["searcher0/version"] > 10 and rows[-1]["searcher1/version"] > 0
+    assert child_pids() == []
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_system_grpo_with_a_vllm_searcher(vllm_tied_model_dir, tmp_path):
+    """--loss grpo, synchronous, with one vLLM searcher process: vLLM's recorded log-probs are
+    the trainer's (ratio 1 up to the engines' float differences), and training runs."""
+    cfg = tiny_cfg(
+        vllm_tied_model_dir,
+        tmp_path,
+        engine="vllm",
+        loss="grpo",
+        synchronous=True,
+        num_searchers=1,
+        total_steps=6,
+        parity_tol=1e-3,
+        timeout_s=180,
+    )
+    with time_limit(300):
+        run_tba(cfg, tiny_examples(), digit_reward, show_progress=False)
+    check_grpo_run(tmp_path, 6, 1e-3)
     assert child_pids() == []
 
 
