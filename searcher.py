@@ -613,7 +613,8 @@ class Searcher:
             batch = self.next_prompts()  # 1b
             t0 = time.perf_counter()
             prompts = [self.prompt_ids[i] for i in batch]
-            if self.cfg.loss == "grpo":  # GRPO's ratio needs log pi_old of what was sampled
+            behaviour = None  # per-token log pi_old: GRPO's ratio needs it, TB does not
+            if self.cfg.loss == "grpo":
                 outputs, behaviour = self.engine.generate_with_logprobs(
                     prompts, self.cfg.num_generations
                 )
@@ -635,7 +636,7 @@ class Searcher:
                         ref_logprob=ref_logps[i][j],
                         version=self.version,
                     )
-                    if ref_token_logps is not None:
+                    if behaviour is not None:  # cut by the EOS rule to the tokens scored
                         scored = scored_tokens(tokens, self.eos_id, self.cfg.eos_in_logprob)
                         trajectory.logprobs = behaviour[i][j][: len(scored)]
                         trajectory.ref_token_logprobs = ref_token_logps[i][j]
