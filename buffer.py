@@ -4,7 +4,7 @@ This file imports nothing from the project (standard library only), so it can be
 
 * Items are grouped by prompt; each group keeps at most ``capacity`` trajectories, oldest evicted.
 * Exact-token deduplication: a response already in the group is replaced by the new copy (the
-  newest reward, reference log-prob and version win), as in the official TBA buffer.
+  newest reward, log-probs and version win), as in the official TBA buffer.
 * ``sample(P, K)`` returns P groups of exactly K trajectories. For each group, with probability
   ``mop_prob`` (m) the prompt is "most on-policy" (MOP) and its K items are its newest ones
   (those of its newest policy version). Otherwise the prompt is any prompt, and the K items are
@@ -46,6 +46,10 @@ class Trajectory:
     reward: float  # r(x, y)
     ref_logprob: float  # log p_ref(y|x), summed over response tokens
     version: int  # policy version (trainer steps) of the weights that generated it
+    # Per scored response token (tba.scored_tokens: the loss's temperature and EOS rule); only
+    # for --loss grpo, None otherwise (TB needs neither; older checkpoints have neither).
+    logprobs: list[float] | None = None  # log pi_old, the behaviour policy, as it sampled
+    ref_token_logprobs: list[float] | None = None  # log p_ref, for GRPO's KL penalty
 
 
 class ReplayBuffer:

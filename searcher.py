@@ -35,14 +35,16 @@ import torch
 from buffer import Trajectory
 from tba import (
     TBAConfig,
-    group_logprobs,
+    group_token_logprobs,
     load_causal_lm,
     pad,
     pad_sequences,
     pad_token_id,
     peak_memory_gb,
     positions,
+    scored_tokens,
     sequence_logprobs,
+    token_logprobs,
 )
 
 # ----------------------------------------------------------------------------- messages
@@ -106,6 +108,14 @@ class Engine(Protocol):  # what a searcher needs from a generation engine
     ) -> list[list[list[int]]]:
         """For each prompt, n responses (token ids, ending in EOS unless cut at max_new_tokens)
         sampled at the config's temperature, or greedy (evaluation)."""
+
+    def generate_with_logprobs(
+        self, prompts: list[list[int]], n: int
+    ) -> tuple[list[list[list[int]]], list[list[list[float]]]]:
+        """Sample as ``generate`` does, and return with the responses the log-prob of each
+        sampled token (EOS included, aligned with the tokens) under the engine's weights and
+        the scoring rule: log softmax(logits / cfg.logprob_temperature()), fp32. GRPO's
+        behaviour log-probs (log pi_old)."""
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy named parameters (transformers checkpoint names) into the engine's policy."""
@@ -180,13 +190,21 @@ class HFEngine:
         )
         self.params = dict(self.model.named_parameters())
 
-    @torch.no_grad()
     def generate(self, prompts, n, greedy=False):
         """The prompts run once (prefill) and their KV cache is repeated for the n samples of
         each; then every row draws a token per step from softmax(logits / T) (argmax when
         greedy) until all rows have emitted EOS or max_new_tokens. transformers' generate()
         does the same with per-token machinery that costs more than a small model's arithmetic
         (OPERATIONS.md, "Engines")."""
+        return self._decode(prompts, n, greedy, with_logprobs=False)[0]
+
+    def generate_with_logprobs(self, prompts, n):
+        """``generate``'s samples, each token scored by ``tba.token_logprobs``, the trainer's
+        formula, on the logits it was drawn from."""
+        return self._decode(prompts, n, greedy=False, with_logprobs=True)
+
+    @torch.no_grad()
+    def _decode(self, prompts, n, greedy, with_logprobs):
         from transformers import DynamicCache
 
         ids, attn = pad(prompts, self.pad_id, self.device, left=True)
@@ -203,12 +221,18 @@ class HFEngine:
         position = positions(attn)[:, -1:]
         done = torch.zeros(len(attn), dtype=torch.bool, device=self.device)
         columns = []
+        logp_columns = []
         for _ in range(self.cfg.max_new_tokens):
             if greedy:
                 token = logits.argmax(-1)
             else:
                 probs = torch.softmax(logits.float() / self.cfg.temperature, dim=-1)
                 token = torch.multinomial(probs, 1).squeeze(1)
+            if with_logprobs:
+                scored = token_logprobs(
+                    logits[:, None], token[:, None], self.cfg.logprob_temperature()
+                )
+                logp_columns.append(scored[:, 0])
             columns.append(token.masked_fill(done, self.eos_id))  # finished rows: filler
             done |= token == self.eos_id
             if bool(done.all()):
@@ -226,7 +250,12 @@ class HFEngine:
             r[: r.index(self.eos_id) + 1] if self.eos_id in r else r  # cut after the first EOS
             for r in torch.stack(columns, 1).tolist()
         ]
-        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
+        logps = []
+        if with_logprobs:
+            every = torch.stack(logp_columns, 1).tolist()
+            logps = [lp[: len(r)] for lp, r in zip(every, rows, strict=True)]
+            logps = [logps[i * n : (i + 1) * n] for i in range(len(prompts))]
+        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))], logps
 
     @torch.no_grad()
     def load_weights(self, named):
@@ -320,7 +349,8 @@ class VLLMEngine:
             seed=seed,
             enable_prefix_caching=True,
             trust_remote_code=cfg.trust_remote_code,
-            logprobs_mode="processed_logprobs",
+            # GRPO's pi_old: of logits / T (processed) or of the logits (raw), as step 4 scores
+            logprobs_mode="processed_logprobs" if cfg.tempered_logprobs else "raw_logprobs",
             log_level="ERROR",
             use_tqdm_on_load=False,
             **placement,
@@ -349,6 +379,25 @@ class VLLMEngine:
             use_tqdm=False,
         )
         return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+    def generate_with_logprobs(self, prompts, n):
+        """``logprobs=0`` returns each sampled token's log-prob; which one is ``logprobs_mode``
+        (set at construction): processed = log_softmax(logits / T) after the temperature, raw =
+        of the model's logits, both fp32 (vllm/v1/sample/sampler.py)."""
+        outs = self.llm.generate(
+            [self._tokens(prompt_token_ids=p) for p in prompts],
+            sampling_params=self.params(n, False, logprobs=0),
+            use_tqdm=False,
+        )
+        tokens = [[list(c.token_ids) for c in o.outputs] for o in outs]
+        logps = [
+            [
+                [step[t].logprob for step, t in zip(c.logprobs, c.token_ids, strict=True)]
+                for c in o.outputs
+            ]
+            for o in outs
+        ]
+        return tokens, logps
 
     def load_weights(self, named):
         """Copy named tensors (transformers names) in, then drop the prefix cache: its KV was
@@ -509,27 +558,37 @@ class Searcher:
     @torch.no_grad()
     def reference_logprobs(
         self, batch: list[int], outputs: list[list[list[int]]]
-    ) -> list[list[float]]:
+    ) -> tuple[list[list[float]], list[list[list[float]]] | None]:
         """1c. log p_ref(y|x), scored as the trainer scores log pi, in passes of micro_batch_size
-        sequences (whole prompt groups)."""
-        cfg, result = self.cfg, []
+        sequences (whole prompt groups); with --loss grpo also per scored token (else None)."""
+        cfg = self.cfg
+        sums = []
+        per_token = [] if cfg.loss == "grpo" else None
         per_pass = (
             max(1, cfg.micro_batch_size // cfg.num_generations)
             if cfg.micro_batch_size
             else len(batch)
         )
         for first in range(0, len(batch), per_pass):
-            result += group_logprobs(
+            groups = outputs[first : first + per_pass]
+            token_logp, mask = group_token_logprobs(
                 self.ref,
                 [self.prompt_ids[i] for i in batch[first : first + per_pass]],
-                outputs[first : first + per_pass],
+                groups,
                 pad_id=self.pad_id,
                 eos_id=self.eos_id,
                 temperature=cfg.logprob_temperature(),
                 include_eos=cfg.eos_in_logprob,
                 device=self.device,
-            ).tolist()
-        return result
+            )
+            size = len(groups[0])
+            sums += token_logp.sum(dim=1).view(len(groups), size).tolist()  # group_logprobs
+            if per_token is not None:
+                rows = [
+                    lp[:n] for lp, n in zip(token_logp.tolist(), mask.sum(1).tolist(), strict=True)
+                ]
+                per_token += [rows[i * size : (i + 1) * size] for i in range(len(groups))]
+        return sums, per_token
 
     def put(self, message: Ready | Batch) -> None:
         """1d. Put with a timeout, retrying while the run is alive (backpressure, never a hang)."""
@@ -551,23 +610,33 @@ class Searcher:
         batch = self.next_prompts()  # 1b
         t0 = time.perf_counter()
         prompts = [self.prompt_ids[i] for i in batch]
-        outputs = self.engine.generate(prompts, self.cfg.num_generations)
+        behaviour = None  # per-token log pi_old: GRPO's ratio needs it, TB does not
+        if self.cfg.loss == "grpo":
+            outputs, behaviour = self.engine.generate_with_logprobs(
+                prompts, self.cfg.num_generations
+            )
+        else:
+            outputs = self.engine.generate(prompts, self.cfg.num_generations)
         t1 = time.perf_counter()
         rewards = self.rewards(batch, outputs)  # 1c
         t2 = time.perf_counter()
-        ref_logps = self.reference_logprobs(batch, outputs)
+        ref_logps, ref_token_logps = self.reference_logprobs(batch, outputs)
         t3 = time.perf_counter()
         trajectories = []
-        for idx, samples, rs, refs in zip(batch, outputs, rewards, ref_logps, strict=True):
-            for tokens, reward, ref_logprob in zip(samples, rs, refs, strict=True):
+        for i, idx in enumerate(batch):
+            for j, tokens in enumerate(outputs[i]):
                 trajectory = Trajectory(
                     prompt_id=self.examples[idx]["id"],
                     prompt_tokens=self.prompt_ids[idx],
                     response_tokens=tokens,
-                    reward=reward,
-                    ref_logprob=ref_logprob,
+                    reward=rewards[i][j],
+                    ref_logprob=ref_logps[i][j],
                     version=self.version,
                 )
+                if behaviour is not None:  # cut by the EOS rule to the tokens scored
+                    scored = scored_tokens(tokens, self.eos_id, self.cfg.eos_in_logprob)
+                    trajectory.logprobs = behaviour[i][j][: len(scored)]
+                    trajectory.ref_token_logprobs = ref_token_logps[i][j]
                 trajectories.append(trajectory)
         return trajectories, (t1 - t0, t2 - t1, t3 - t2)
 

@@ -14,7 +14,8 @@ The algorithm (the main loops in the code are labelled with these numbers)
   1. Each searcher (searcher.py) holds pi at some version and a frozen p_ref. Repeatedly:
      a. between generate calls, load the newest published weights if they are newer;
      b. take the next prompts of its shard and generate N responses each at temperature T;
-     c. score r(x, y) and log p_ref(y|x);
+     c. score r(x, y) and log p_ref(y|x) (with --loss grpo also per token, and keep the
+        engine's per-token log pi_old(y_t|x, y_<t) of each sampled token);
      d. send the trajectories (x, y, r, log p_ref, version) through a bounded queue.
   2. The trainer (trainer.py) drains the queue into a replay buffer grouped by prompt (buffer.py).
      It waits for the initial fill, then only while its newest data is over max_lag versions old
@@ -25,9 +26,10 @@ The algorithm (the main loops in the code are labelled with these numbers)
      the TB optimum does not depend on where the samples came from. Optionally (max_train_lag)
      only items at most that many versions behind are eligible: the optimum does not move, but
      the variance of a step does (README, "Why TB for asynchrony").
-  4. It recomputes log pi(y|x) with gradients and takes an AdamW step on the VarGrad TB loss
-     (Eq. 5): d_i = log pi(y_i|x) - log p_ref(y_i|x) - r(x, y_i) / beta, log Z = -mean_i d_i
-     (detached), L = mean over the P prompts and their K responses of (log Z + d_i)^2.
+  4. It recomputes log pi(y|x) with gradients and takes an AdamW step on the loss (--loss):
+     tb (the paper), the VarGrad TB loss (Eq. 5): d_i = log pi(y_i|x) - log p_ref(y_i|x) -
+     r(x, y_i) / beta, log Z = -mean_i d_i (detached), L = mean over the P prompts and their K
+     responses of (log Z + d_i)^2; or grpo, the baseline below.
   5. Every k steps it publishes its weights as the version equal to its step count.
 
 The paper preset is the released run (bbartoldson/TBA, launch_training_gsm8k.sh: rho-1b from
@@ -42,6 +44,22 @@ The paper preset is the released run (bbartoldson/TBA, launch_training_gsm8k.sh:
   * max_grad_norm (0): no clipping. With r / beta between 71 and 250, clipping at 1.0 would
     bind nearly every step and change the effective learning rate.
 
+The GRPO baseline (--loss grpo; ``grpo_loss``), run by the same searchers, buffer and trainer:
+the on-policy policy-gradient method TBA is compared with. It follows Hugging Face TRL's
+GRPOTrainer: DeepSeekMath's objective (Shao et al. 2024, Eq. 3: group-normalised advantages,
+PPO's clipped ratio pi / pi_old, a k3 KL penalty to p_ref) with DAPO's token-level averaging,
+clip 0.2, one update per batch, std + 1e-4 over the sample std; its KL coefficient is
+DeepSeekMath's 0.04 (TRL's default is 0). Its surrogate is an on-policy estimator: data from an
+older policy needs the ratio to pi_old, the policy that sampled it, so each trajectory carries
+log pi_old per token, as the engine sampled it (scored by the rule of step 4: temperature and
+EOS), and log p_ref per token for the KL. TB needs no behaviour log-prob: its optimum does not
+depend on where y came from, so stale data enters it as it is. Asynchronous GRPO trains on data
+up to max_lag versions old, which only the clip keeps in check; --synchronous is its home.
+One departure from TRL: pi_old is the engine's own log-prob of the sample (vLLM's on GPUs),
+where TRL with one update per batch takes the trainer's (logp.detach()), so on-policy the
+ratio is 1 only up to the numerical difference of the two engines (grpo/ratio_mean shows it);
+the asynchronous mode has no trainer-side pi_old to recompute.
+
 Deviations from the official code, with reasons
   * Processes and queues, no barrier at every sync: the trainer waits only as max_lag says (the
     barrier kept the newest data within 2k - 1 = 3 versions, the default).
@@ -49,7 +67,7 @@ Deviations from the official code, with reasons
     trickles in, so they are topped up with the most recently refreshed: async/mop_frac is m.
   * Weights travel as shared tensors (CUDA IPC or shared memory) with a version counter, not as
     MPI broadcasts: a sync is a device copy.
-  * Log-softmax runs in fp32 (``summed_logprobs`` says why); the official code runs it in bf16.
+  * Log-softmax runs in fp32 (``token_logprobs`` says why); the official code runs it in bf16.
   * A prompt runs once, its KV cache shared by its K responses (``group_logprobs``): exact.
   * Searchers shuffle their prompt shard each pass (seeded); the official ones walk it in order.
 """
@@ -135,6 +153,169 @@ def _tb_residual(
     return logp.to(wide) - ref_logp.to(wide) - reward.to(wide) / beta
 
 
+def grpo_advantages(reward: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """Group-relative advantages of the GRPO baseline (DeepSeekMath Sec. 4.1.2, outcome
+    supervision), fp32, shape (P, K) like ``reward`` (K responses to each of P prompts):
+
+        A_pk = (r_pk - mean_k r_pk) / (std_k r_pk + eps)
+
+    std_k is the sample standard deviation over the K responses (Bessel: divide by K - 1), as
+    TRL's GRPOTrainer computes it (``scale_rewards="group"``, eps = 1e-4); DeepSeekMath says
+    only "std". Every token of response k gets A_pk. Flatten with ``.reshape(-1)`` for
+    ``grpo_loss`` (prompt-major rows).
+
+    A group whose K rewards are all equal gets A = 0 exactly: its rewards tell its responses
+    nothing apart. The formula alone would divide the mean's rounding error (an ulp of r) by eps
+    (8 rewards of 0.9 in fp32 would give A ~ 6e-4), so those groups are zeroed explicitly (TRL
+    does not).
+    """
+    if reward.dim() != 2:
+        raise ValueError(f"grpo_advantages: reward must be (P, K), got {tuple(reward.shape)}")
+    if reward.shape[1] < 2:
+        raise ValueError(
+            "grpo_advantages: K must be >= 2 (with one response per prompt the group baseline "
+            "is the reward itself and every advantage is 0)"
+        )
+    if eps <= 0:
+        raise ValueError(f"grpo_advantages: eps must be > 0, got {eps}")
+    r = reward.detach().float()
+    if not torch.isfinite(r).all():
+        raise ValueError("grpo_advantages: reward has NaN or inf entries")
+    centred = r - r.mean(dim=1, keepdim=True)
+    scaled = centred / (r.std(dim=1, correction=1, keepdim=True) + eps)
+    constant = (r == r[:, :1]).all(dim=1, keepdim=True)
+    return scaled.masked_fill(constant, 0.0)
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || p_ref) (DeepSeekMath Eq. 4; Schulman 2020,
+    "Approximating KL divergence"), fp32, the shape of ``logp`` and ``ref_logp``:
+
+        x  = ref_logp - logp = log(p_ref / pi) at the sampled token
+        k3 = exp(x) - x - 1          >= 0 (exp(x) >= 1 + x), = 0 iff logp == ref_logp
+
+    Unbiased for KL(pi || p_ref) when the token is sampled from pi; here it is sampled from
+    pi_old, which is pi on-policy and close to it within the clip range.
+    """
+    x = ref_logp.float() - logp.float()
+    return torch.exp(x) - x - 1.0
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps: float = 0.2,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """GRPO loss, the on-policy baseline (DeepSeekMath Eq. 3) with token-level averaging (DAPO
+    Sec. 3.3). Needs only torch; copy it anywhere. Follows Hugging Face TRL's GRPOTrainer
+    (``loss_type="dapo"``, ``epsilon=0.2``, one update per batch).
+
+    Shapes: ``logp``, ``old_logp``, ``ref_logp``, ``mask`` are (B, T), one entry per response
+    token, B = P K rows in prompt-major order; ``advantages`` is (B,), one per response
+    (``grpo_advantages(reward).reshape(-1)``), broadcast over its tokens. ``logp`` =
+    log pi_theta(y_t | x, y_<t) (carries the gradient); ``old_logp`` the same under pi_old, the
+    behaviour policy that generated the response (recorded by the searcher); ``ref_logp`` under
+    p_ref (may be None when kl_coef == 0, TRL's default); ``mask`` is 1 (or True) on scored
+    tokens, 0 on padding. ``old_logp``, ``ref_logp`` and ``advantages`` are data (detached).
+    Returns a scalar; all arithmetic in fp32.
+
+        rho_it  = exp(logp_it - old_logp_it)
+        surr_it = min(rho_it A_i, clip(rho_it, 1 - clip_eps, 1 + clip_eps) A_i)
+        kl_it   = exp(ref_it - logp_it) - (ref_it - logp_it) - 1                  (k3)
+        loss    = -sum_it m_it (surr_it - kl_coef kl_it) / sum_it m_it
+
+    Contract for a copier: ``logp`` and ``old_logp`` (and ``ref_logp``) must be scored by one
+    rule -- the same temperature and the same tokens (a final EOS on both sides or on neither);
+    any mismatch is a ratio != 1 on-policy, which the clip then treats as drift.
+
+    Token-level averaging (DAPO; TRL "dapo"): every real token weighs the same, so a long
+    response counts for more than a short one. DeepSeekMath's Eq. 3 averages each response's
+    tokens first (TRL "grpo"), which favours short correct and long wrong responses (the length
+    bias of Dr. GRPO, Liu et al. 2025). With no real token the loss is 0 (the denominator is
+    clamped at 1). Gradient accumulation over micro-batches must divide by the token count of
+    the whole batch: scale each micro-batch's loss by its tokens / all tokens.
+
+    Clipping: a token whose ratio has moved past the clip range in its advantage's direction
+    (A > 0 and rho > 1 + eps, or A < 0 and rho < 1 - eps) takes the constant clipped branch and
+    gets no surrogate gradient; otherwise d surr / d logp = rho A.
+
+    On-policy link: with old_logp = logp.detach() rho = 1, nothing is clipped, and with
+    kl_coef = 0
+        grad loss = -(1 / sum m) sum_i A_i grad sum_t m_it logp_it,
+    REINFORCE with the group-mean baseline (scaled by the group std), token-weighted.
+
+    Masked positions may hold anything, NaN or -inf included: they are replaced before the
+    arithmetic, so they reach neither the value nor the gradient.
+    """
+    if logp.dim() != 2:
+        raise ValueError(f"grpo_loss: logp must be (B, T), got {tuple(logp.shape)}")
+    if old_logp.shape != logp.shape or mask.shape != logp.shape:
+        raise ValueError(
+            "grpo_loss: logp, old_logp and mask must share a (B, T) shape, got "
+            f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}"
+        )
+    if ref_logp is not None and ref_logp.shape != logp.shape:
+        raise ValueError(
+            f"grpo_loss: ref_logp must be {tuple(logp.shape)} like logp, got "
+            f"{tuple(ref_logp.shape)}"
+        )
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(
+            f"grpo_loss: advantages must be ({logp.shape[0]},), one per sequence, "
+            f"got {tuple(advantages.shape)}"
+        )
+    if not 0 < clip_eps < 1:
+        raise ValueError(f"grpo_loss: clip_eps must be in (0, 1), got {clip_eps}")
+    if kl_coef < 0:
+        raise ValueError(f"grpo_loss: kl_coef must be >= 0, got {kl_coef}")
+    if kl_coef > 0 and ref_logp is None:
+        raise ValueError("grpo_loss: kl_coef > 0 needs ref_logp")
+    m = mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    lp = torch.where(m, logp.float(), zero)
+    old = torch.where(m, old_logp.detach().float(), zero)
+    adv = advantages.detach().float().unsqueeze(1)
+    ratio = torch.exp(lp - old)
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    per_token = -torch.minimum(ratio * adv, clipped * adv)
+    if kl_coef > 0:
+        ref = torch.where(m, ref_logp.detach().float(), zero)
+        per_token = per_token + kl_coef * k3_kl(lp, ref)
+    per_token = torch.where(m, per_token, zero)
+    return per_token.sum() / m.sum().clamp(min=1)
+
+
+@torch.no_grad()
+def grpo_metrics(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps: float = 0.2,
+) -> dict[str, torch.Tensor]:
+    """Token means over real tokens of ``grpo_loss``'s inputs (same shapes), as 0-d fp32
+    tensors: ``clip_frac``, the share of tokens on the clipped branch (no surrogate gradient);
+    ``kl``, the mean k3 KL to p_ref; ``ratio_mean``, the mean of pi / pi_old (1 on-policy)."""
+    m = mask.bool()
+    count = m.sum().clamp(min=1)
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    lp = torch.where(m, logp.float(), zero)
+    ratio = torch.exp(lp - torch.where(m, old_logp.float(), zero))
+    adv = advantages.float().unsqueeze(1)
+    clipped = ((adv > 0) & (ratio > 1 + clip_eps)) | ((adv < 0) & (ratio < 1 - clip_eps))
+    kl = k3_kl(lp, torch.where(m, ref_logp.float(), zero))
+    return {
+        "clip_frac": (clipped & m).sum() / count,
+        "kl": torch.where(m, kl, zero).sum() / count,
+        "ratio_mean": torch.where(m, ratio, zero).sum() / count,
+    }
+
+
 def beta_at(step: int, start: float, end: float, anneal_steps: int) -> float:
     """Linear anneal of beta from ``start`` (step 0) to ``end`` (step >= anneal_steps)."""
     if anneal_steps <= 0:
@@ -194,11 +375,12 @@ def pad_sequences(
     return ids, attn, attn * (positions[None] >= starts[:, None])
 
 
-def summed_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
-    """sum_t mask_t log softmax(logits_t / T)[target_t] per row (B,), for logits (B, T, V)
-    aligned with targets and mask (B, T).
+    """log softmax(logits_t / T)[target_t] (B, T) in fp32, for logits (B, T, V) aligned with
+    targets (B, T). The one formula of every scored log-prob: the trainer's, the reference's and
+    the transformers engine's behaviour log-probs.
 
     Log-softmax runs in fp32 because bf16 log-probs summed over ~500 tokens drift by whole nats,
     which beta = 0.004 would amplify 250-fold in d. T != 1 scores the tempered policy, as the
@@ -207,7 +389,15 @@ def summed_logprobs(
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    token_logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+def summed_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """sum_t mask_t log softmax(logits_t / T)[target_t] per row (B,), for logits (B, T, V)
+    aligned with targets and mask (B, T); ``token_logprobs`` says why fp32."""
+    token_logp = token_logprobs(logits, targets, temperature)
     return (token_logp * mask.to(token_logp.dtype)).sum(dim=1)
 
 
@@ -224,6 +414,80 @@ def sequence_logprobs(
     return summed_logprobs(logits, input_ids[:, 1:], response_mask[:, 1:], temperature)
 
 
+def scored_tokens(response: list[int], eos_id: int, include_eos: bool) -> list[int]:
+    """The tokens of a response that the log-probs score: all of them, or without the final EOS
+    unless ``include_eos`` (a response cut at max_new_tokens has none and loses nothing). Token t
+    of the result is token t of the response, so per-token lists align by prefix."""
+    if not include_eos and response and response[-1] == eos_id:
+        return response[:-1]
+    return response
+
+
+def group_token_logprobs(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    groups: list[list[list[int]]],
+    *,
+    pad_id: int,
+    eos_id: int,
+    temperature: float = 1.0,
+    include_eos: bool = True,
+    share_prompt: bool = True,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log pi(y_t | x, y_<t) of the K responses ``groups[i]`` to each of P
+    ``prompts[i]``, and their mask: two (B, T) tensors, B = P K rows in prompt-major order
+    (row i K + k is ``groups[i][k]``), T the longest scored response; row b holds the log-probs
+    of ``scored_tokens`` of its response in columns 0.. (fp32, of logits / ``temperature``), 0
+    in padding, where the mask (long) is 0. ``group_logprobs`` is its row sum; GRPO uses it
+    token by token.
+
+    ``share_prompt``: each prompt runs once and its KV cache is repeated for its K responses,
+    instead of K forwards of prompt + response: faster where prompts are longer than answers
+    (OPERATIONS.md has the figure), and equal up to float rounding, gradients included. Turn it
+    off under gradient checkpointing, which drops the cache.
+    """
+    size = len(groups[0])
+    if any(len(g) != size for g in groups):
+        raise ValueError(
+            f"group_token_logprobs: groups of sizes {sorted({len(g) for g in groups})}"
+        )
+    flat = [scored_tokens(r, eos_id, include_eos) for g in groups for r in g]
+    targets, mask = pad(flat, pad_id, device)
+    if not share_prompt:
+        rows = [p for p in prompts for _ in range(size)]
+        ids, attn, _ = pad_sequences(rows, flat, pad_id, device)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        every = token_logprobs(logits, ids[:, 1:], temperature)  # column c predicts token c + 1
+        starts = torch.tensor([len(p) - 1 for p in rows], device=every.device)
+        columns = starts[:, None] + torch.arange(mask.shape[1], device=every.device)
+        token_logp = every.gather(1, columns.clamp(max=every.shape[1] - 1))
+        return token_logp * mask.to(token_logp.dtype), mask
+    from transformers import DynamicCache
+
+    ids, attn = pad(prompts, pad_id, device, left=True)
+    cache = DynamicCache(config=model.config)
+    last = model(
+        input_ids=ids,
+        attention_mask=attn,
+        position_ids=positions(attn),
+        past_key_values=cache,
+        use_cache=True,
+    ).logits[:, -1:]  # predicts each response's first token
+    cache.batch_repeat_interleave(size)
+    attn = attn.repeat_interleave(size, 0)
+    logits = model(
+        input_ids=targets,
+        attention_mask=torch.cat([attn, mask], dim=1),
+        position_ids=attn.sum(1, keepdim=True) + torch.arange(mask.shape[1], device=mask.device),
+        past_key_values=cache,
+        use_cache=True,
+    ).logits[:, :-1]
+    logits = torch.cat([last.repeat_interleave(size, 0), logits], dim=1)
+    token_logp = token_logprobs(logits, targets, temperature)
+    return token_logp * mask.to(token_logp.dtype), mask
+
+
 def group_logprobs(
     model: torch.nn.Module,
     prompts: list[list[int]],
@@ -237,49 +501,23 @@ def group_logprobs(
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """log pi(y|x) (P, K) of the K responses ``groups[i]`` to each of P ``prompts[i]``, as the TB
-    loss uses it: of logits / ``temperature``, a final EOS left out unless ``include_eos``. The
-    trainer (log pi, with gradients) and the searchers (log p_ref) both call this, so the two
-    sides of d always match.
-
-    ``share_prompt``: each prompt runs once and its KV cache is repeated for its K responses,
-    instead of K forwards of prompt + response: faster where prompts are longer than answers
-    (OPERATIONS.md has the figure), and equal up to float rounding, gradients included. Turn it
-    off under gradient checkpointing, which drops the cache.
+    loss uses it: of logits / ``temperature``, a final EOS left out unless ``include_eos``
+    (``scored_tokens``), summed over the tokens of ``group_token_logprobs`` (which explains
+    ``share_prompt``). The trainer (log pi, with gradients) and the searchers (log p_ref) both
+    call this, so the two sides of d always match.
     """
-    size = len(groups[0])
-    if any(len(g) != size for g in groups):
-        raise ValueError(f"group_logprobs: groups of sizes {sorted({len(g) for g in groups})}")
-    flat = [r for g in groups for r in g]
-    if not include_eos:  # the EOS is the last token: dropping it equals masking its position
-        flat = [r[:-1] if r and r[-1] == eos_id else r for r in flat]
-    if not share_prompt:
-        ids, attn, resp = pad_sequences(
-            [p for p in prompts for _ in range(size)], flat, pad_id, device
-        )
-        return sequence_logprobs(model, ids, attn, resp, temperature).view(len(prompts), size)
-    from transformers import DynamicCache
-
-    ids, attn = pad(prompts, pad_id, device, left=True)
-    cache = DynamicCache(config=model.config)
-    last = model(
-        input_ids=ids,
-        attention_mask=attn,
-        position_ids=positions(attn),
-        past_key_values=cache,
-        use_cache=True,
-    ).logits[:, -1:]  # predicts each response's first token
-    cache.batch_repeat_interleave(size)
-    targets, mask = pad(flat, pad_id, device)
-    attn = attn.repeat_interleave(size, 0)
-    logits = model(
-        input_ids=targets,
-        attention_mask=torch.cat([attn, mask], dim=1),
-        position_ids=attn.sum(1, keepdim=True) + torch.arange(mask.shape[1], device=mask.device),
-        past_key_values=cache,
-        use_cache=True,
-    ).logits[:, :-1]
-    logits = torch.cat([last.repeat_interleave(size, 0), logits], dim=1)
-    return summed_logprobs(logits, targets, mask, temperature).view(len(prompts), size)
+    token_logp, _ = group_token_logprobs(
+        model,
+        prompts,
+        groups,
+        pad_id=pad_id,
+        eos_id=eos_id,
+        temperature=temperature,
+        include_eos=include_eos,
+        share_prompt=share_prompt,
+        device=device,
+    )
+    return token_logp.sum(dim=1).view(len(prompts), len(groups[0]))
 
 
 # ----------------------------------------------------------------------------- models
@@ -458,6 +696,15 @@ class TBAConfig:
     temperature: float = _knob(0.7, "sampling temperature T of the searchers")
     max_new_tokens: int = _knob(512, "longest response, in tokens")
     # --- optimisation (trainer) ---
+    loss: str = _knob(
+        "tb",
+        "tb: VarGrad trajectory balance (the paper) | grpo: the on-policy GRPO baseline "
+        "(DeepSeekMath Eq. 3, token-level as TRL; module docstring)",
+    )
+    grpo_clip_eps: float = _knob(0.2, "GRPO: clip range of the ratio pi / pi_old (TRL's default)")
+    grpo_kl_coef: float = _knob(
+        0.04, "GRPO: weight of the k3 KL to p_ref (DeepSeekMath's 0.04; TRL's default is 0)"
+    )
     lr: float = _knob(1e-5, "peak learning rate of AdamW")
     warmup_steps: int = _knob(50, "linear warmup steps of the warmup-stable-decay schedule")
     stable_steps: int = _knob(350, "constant-lr steps after warmup")
@@ -610,6 +857,11 @@ class TBAConfig:
             f"{self.sync_every - 1}: only every k-th version is published",
         )
         need(
+            0.0 < self.grpo_clip_eps < 1.0,
+            f"grpo_clip_eps must be in (0, 1), got {self.grpo_clip_eps}",
+        )
+        need(self.grpo_kl_coef >= 0, f"grpo_kl_coef must be >= 0, got {self.grpo_kl_coef}")
+        need(
             self.max_lag == -1 or self.max_lag >= self.sync_every - 1,
             "max_lag must be -1 (no bound) or >= sync_every - 1 = "
             f"{self.sync_every - 1}: only every k-th version is published, so a tighter bound "
@@ -623,6 +875,7 @@ class TBAConfig:
             ("dtype", ("bfloat16", "float16", "float32")),
             ("engine", ("auto", "vllm", "hf")),
             ("weight_store", ("auto", "cuda", "shared_memory")),
+            ("loss", ("tb", "grpo")),
         ):
             need(
                 getattr(self, name) in allowed,

@@ -1,9 +1,10 @@
 """The trainer (steps 2-5 of tba.py's algorithm) and ``run_tba``, which runs the whole system.
 
 ``run_tba`` starts the searcher processes (step 1) and loops here over 2 drain the queue into
-the replay buffer -> 3 sample P groups of K -> 4 TB loss, AdamW step -> 5 every k steps publish
-the weights to the ``WeightStore``. Every wait has a timeout; a failed searcher is restarted
-(``max_searcher_restarts`` in all); on any exit every child is joined and a checkpoint written.
+the replay buffer -> 3 sample P groups of K -> 4 the loss (TB, or the GRPO baseline), AdamW step
+-> 5 every k steps publish the weights to the ``WeightStore``. Every wait has a timeout; a
+failed searcher is restarted (``max_searcher_restarts`` in all); on any exit every child is
+joined and a checkpoint written.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ from tba import (
     WeightStore,
     beta_at,
     group_logprobs,
+    group_token_logprobs,
+    grpo_advantages,
+    grpo_loss,
+    grpo_metrics,
     load_causal_lm,
     pad_token_id,
     peak_memory_gb,
@@ -58,6 +63,14 @@ def make_weight_store(cfg: TBAConfig, model: torch.nn.Module, device: torch.devi
     return WeightStore(
         list(model.named_parameters()), cfg.torch_dtype(), device if on_gpu else torch.device("cpu")
     )
+
+
+def padded(rows: list[list[float]], width: int, device: torch.device) -> torch.Tensor:
+    """(len(rows), width) fp32, row i = rows[i] from column 0, zeros after."""
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row)
+    return out.to(device)
 
 
 # ----------------------------------------------------------------------------- 2-5. the trainer
@@ -122,18 +135,26 @@ class Trainer:
             fresh_enough = fresh_enough and young >= cfg.prompts_per_step
         return filled and enough_prompts and fresh_enough
 
-    def backward(
-        self, groups: list[list[Trajectory]], beta: float
-    ) -> tuple[float, list[float], float]:
-        """4. Accumulate the gradient of tb_loss on the (P, K) batch into ``.grad``, in passes of
-        micro_batch_size sequences rounded down to whole prompt groups. log Z is per prompt, so
-        the passes' losses weighted by their share of the P groups sum to tb_loss on the whole
-        batch, exactly. Returns (loss, log Z per prompt, mean log pi)."""
+    def backward(self, groups: list[list[Trajectory]], beta: float) -> dict[str, float]:
+        """4. Accumulate the gradient of the configured loss (``--loss``) on the (P, K) batch
+        into ``.grad``; returns the loss's metrics."""
+        if self.cfg.loss == "grpo":
+            return self.grpo_backward(groups)
+        return self.tb_backward(groups, beta)
+
+    def groups_per_pass(self, num_groups: int) -> int:
+        """Prompt groups per forward pass: micro_batch_size sequences rounded down to whole
+        groups (at least one), or all ``num_groups`` in one pass."""
         cfg = self.cfg
         if cfg.micro_batch_size:
-            per_pass = max(1, cfg.micro_batch_size // cfg.responses_per_prompt)
-        else:
-            per_pass = len(groups)
+            return max(1, cfg.micro_batch_size // cfg.responses_per_prompt)
+        return num_groups
+
+    def tb_backward(self, groups: list[list[Trajectory]], beta: float) -> dict[str, float]:
+        """tb_loss, in passes of ``groups_per_pass``. log Z is per prompt, so the passes' losses
+        weighted by their share of the P groups sum to tb_loss on the whole batch, exactly."""
+        cfg = self.cfg
+        per_pass = self.groups_per_pass(len(groups))
         loss_sum = 0.0
         log_z = []
         logp_sum = 0.0
@@ -160,7 +181,71 @@ class Trainer:
             loss_sum += loss.item()
             log_z += tb_log_z(logp, ref, reward, beta).tolist()
             logp_sum += logp.detach().sum().item()
-        return loss_sum, log_z, logp_sum / sum(len(g) for g in groups)
+        return {
+            "loss/tb": loss_sum,
+            "loss/logz_mean": statistics.fmean(log_z),
+            "policy/logp_mean": logp_sum / sum(len(g) for g in groups),
+        }
+
+    def grpo_backward(self, groups: list[list[Trajectory]]) -> dict[str, float]:
+        """grpo_loss, in passes of ``groups_per_pass``: advantages from the whole batch's (P, K)
+        rewards; each pass's token mean weighted by its share of the batch's scored tokens, so
+        the passes sum to grpo_loss on the whole batch (token-level), gradient included. The
+        searchers recorded log pi_old and log p_ref per scored token (``tba.scored_tokens``);
+        a list that does not match the tokens scored here is an error naming the prompt."""
+        cfg = self.cfg
+        for t in (t for g in groups for t in g):
+            if t.logprobs is None or t.ref_token_logprobs is None:
+                raise ValueError(
+                    f"--loss grpo: a trajectory of prompt {t.prompt_id!r} has no per-token "
+                    "log-probs (made by a searcher, or saved in a checkpoint, under --loss tb)"
+                )
+        reward = torch.tensor([[t.reward for t in g] for g in groups], device=self.device)
+        advantages = grpo_advantages(reward)
+        total = sum(len(t.logprobs) for g in groups for t in g)
+        per_pass = self.groups_per_pass(len(groups))
+        sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)
+        logp_sum = 0.0
+        for first in range(0, len(groups), per_pass):
+            chunk = groups[first : first + per_pass]
+            flat = [t for g in chunk for t in g]
+            with self.autocast:
+                logp, mask = group_token_logprobs(
+                    self.model,
+                    [g[0].prompt_tokens for g in chunk],
+                    [[t.response_tokens for t in g] for g in chunk],
+                    pad_id=self.pad_id,
+                    eos_id=self.eos_id,
+                    temperature=cfg.logprob_temperature(),
+                    include_eos=cfg.eos_in_logprob,
+                    share_prompt=not cfg.gradient_checkpointing,
+                    device=self.device,
+                )
+            for t, n in zip(flat, mask.sum(1).tolist(), strict=True):
+                if len(t.logprobs) != n or len(t.ref_token_logprobs) != n:
+                    raise ValueError(
+                        f"--loss grpo: prompt {t.prompt_id!r}: {n} scored tokens, but "
+                        f"{len(t.logprobs)} behaviour and {len(t.ref_token_logprobs)} "
+                        "reference log-probs recorded (the searcher scored by another rule)"
+                    )
+            old = padded([t.logprobs for t in flat], logp.shape[1], self.device)
+            ref = padded([t.ref_token_logprobs for t in flat], logp.shape[1], self.device)
+            adv = advantages[first : first + per_pass].reshape(-1)
+            tokens = int(mask.sum())
+            share = tokens / max(total, 1)
+            loss = grpo_loss(logp, old, ref, mask, adv, cfg.grpo_clip_eps, cfg.grpo_kl_coef)
+            (loss * share).backward()
+            sums["loss"] += loss.item() * share
+            for key, value in grpo_metrics(logp, old, ref, mask, adv, cfg.grpo_clip_eps).items():
+                sums[key] += value.item() * share
+            logp_sum += logp.detach().sum().item()
+        return {
+            "loss/grpo": sums["loss"],
+            "grpo/clip_frac": sums["clip_frac"],
+            "grpo/kl": sums["kl"],
+            "grpo/ratio_mean": sums["ratio_mean"],
+            "policy/logp_mean": logp_sum / sum(len(g) for g in groups),
+        }
 
     def train_step(self) -> dict:
         """3-4. One step on P groups of K from the buffer (most-on-policy with probability m, or
@@ -205,7 +290,9 @@ class Trainer:
         cfg = self.cfg
         beta = beta_at(self.step, cfg.beta_start, cfg.beta_end, cfg.beta_anneal_steps)
         self.optimizer.zero_grad(set_to_none=True)
-        loss, log_z, logp_mean = self.backward(groups, beta)
+        metrics = self.backward(groups, beta)
+        if cfg.loss == "tb":  # GRPO has no beta (its KL weight is grpo_kl_coef)
+            metrics["train/beta"] = beta
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if not torch.isfinite(grad_norm):
@@ -218,14 +305,9 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        return {
-            "loss/tb": loss,
-            "loss/logz_mean": statistics.fmean(log_z),
-            "policy/logp_mean": logp_mean,
-            "train/beta": beta,
-            "train/lr": lr,
-            "train/grad_norm": grad_norm.item(),
-        }
+        metrics["train/lr"] = lr
+        metrics["train/grad_norm"] = grad_norm.item()
+        return metrics
 
     def publish(self, store: WeightStore) -> float:
         """5. Copy the weights into the store as version ``step``; returns the seconds taken."""
