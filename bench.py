@@ -279,9 +279,7 @@ def staleness_run(
     torch.set_num_threads(1)
     train, test, _ = tiny_task()
     with tempfile.TemporaryDirectory(prefix="tba_stale_") as out:
-        values = {**TINY_PRESET, "model": model_dir, "seed": seed, "output_dir": out}
-        if loss != "tb":
-            values["loss"] = loss
+        values = {**TINY_PRESET, "model": model_dir, "seed": seed, "output_dir": out, "loss": loss}
         values.update(overrides)
         cfg = TBAConfig(**values)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
