@@ -89,7 +89,11 @@ import torch
 
 
 def tb_loss(
-    logp: torch.Tensor, ref_logp: torch.Tensor, reward: torch.Tensor, beta: float
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    reward: torch.Tensor,
+    beta: float,
+    residual_bound: float = 0.0,
 ) -> torch.Tensor:
     """VarGrad trajectory-balance loss (paper Eq. 5). Needs only torch; copy it anywhere.
 
@@ -110,6 +114,12 @@ def tb_loss(
         d_ij    = logp_ij - ref_logp_ij - reward_ij / beta
         logZ_i  = -mean_j d_ij                    (detached)
         loss    = mean_ij (logZ_i + d_ij)^2       (= mean over prompts of the variance of d)
+
+    ``residual_bound`` = b > 0 replaces the square of each residual e = logZ_i + d_ij by the
+    Huber function: e^2 for |e| <= b, 2 b |e| - b^2 beyond, so that no sample's gradient
+    exceeds 2 b grad log pi (stale samples that the policy has moved far from have large |e|).
+    The loss is still zero exactly when every residual is zero, so the optimum is unchanged;
+    only the weighting of far-off samples on the way there is. 0: the paper's square.
 
     Why log Z is detached: it is the per-prompt VarGrad estimate of the log-partition function
     (the optimal constant for the batch), not a parameter; its gradient through the mean would
@@ -133,9 +143,17 @@ def tb_loss(
         raise ValueError("tb_loss: K must be >= 2 (with one response per prompt the loss is 0)")
     if beta <= 0:
         raise ValueError(f"tb_loss: beta must be > 0, got {beta}")
+    if residual_bound < 0:
+        raise ValueError(f"tb_loss: residual_bound must be >= 0, got {residual_bound}")
     d = _tb_residual(logp, ref_logp, reward, beta)
     log_z = -d.mean(dim=1, keepdim=True).detach()
-    return (log_z + d).pow(2).mean()
+    residual = log_z + d
+    if residual_bound > 0:
+        size = residual.abs()
+        inside = residual.pow(2)
+        outside = 2 * residual_bound * size - residual_bound**2
+        return torch.where(size <= residual_bound, inside, outside).mean()
+    return residual.pow(2).mean()
 
 
 def tb_log_z(
@@ -701,6 +719,11 @@ class TBAConfig:
         "tb: VarGrad trajectory balance (the paper) | grpo: the on-policy GRPO baseline "
         "(DeepSeekMath Eq. 3, token-level as TRL; module docstring)",
     )
+    tb_residual_bound: float = _knob(
+        0.0,
+        "TB: residuals beyond this many nats are penalised linearly (Huber), bounding each "
+        "sample's gradient; the optimum does not move. 0: the paper's square",
+    )
     grpo_clip_eps: float = _knob(0.2, "GRPO: clip range of the ratio pi / pi_old (TRL's default)")
     grpo_kl_coef: float = _knob(
         0.04, "GRPO: weight of the k3 KL to p_ref (DeepSeekMath's 0.04; TRL's default is 0)"
@@ -828,6 +851,7 @@ class TBAConfig:
             "eval_test_size",
             "micro_batch_size",
             "max_grad_norm",
+            "tb_residual_bound",
             "inv_temp",
         )
         positive = ("beta_start", "beta_end", "lr", "temperature", "timeout_s", "parity_tol")

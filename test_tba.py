@@ -100,6 +100,32 @@ def test_tb_loss_matches_slow_loop():
         assert tb_log_z(logp, ref, reward, beta).shape == (p,)
 
 
+def test_tb_loss_residual_bound_is_huber_with_the_same_zero():
+    """Inside the bound the loss is the paper's square; beyond it each residual counts
+    linearly, so no sample's gradient exceeds 2 b; the loss is zero where the square is."""
+    gen = torch.Generator().manual_seed(4)
+    logp = (torch.randn(3, 5, generator=gen, dtype=torch.float64) * 10).requires_grad_()
+    ref = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    reward = torch.rand(3, 5, generator=gen, dtype=torch.float64)
+    beta, bound = 0.5, 2.0
+    assert tb_loss(logp, ref, reward, beta, 1e9).item() == pytest.approx(
+        tb_loss(logp, ref, reward, beta).item(), rel=1e-12
+    )
+    loss = tb_loss(logp, ref, reward, beta, bound)
+    d = (logp - ref - reward / beta).detach().tolist()
+    want = 0.0
+    for row in d:
+        log_z = -sum(row) / len(row)
+        for dj in row:
+            e = abs(log_z + dj)
+            want += e * e if e <= bound else 2 * bound * e - bound * bound
+    assert loss.item() == pytest.approx(want / 15, rel=1e-10)
+    loss.backward()
+    assert logp.grad.abs().max().item() <= 2 * bound / 15 + 1e-12
+    on_target = ref + reward / beta + torch.arange(3.0, dtype=torch.float64)[:, None]
+    assert tb_loss(on_target, ref, reward, beta, bound).item() == pytest.approx(0.0, abs=1e-20)
+
+
 def test_tb_loss_computes_in_fp32_from_bf16_inputs():
     """r / beta of 250 is good to about 1 in bf16: the loss must widen before subtracting."""
     logp = torch.tensor([[-30.0, -31.0, -29.5]], dtype=torch.bfloat16, requires_grad=True)
