@@ -94,6 +94,7 @@ TINY_PRESET: dict = dict(
     checkpoint_every=0,
     timeout_s=300.0,
     torch_threads=1,  # tiny ops: a 2nd thread only spins, and slows badly when a core is busy
+    vllm_compile=False,  # with --engine vllm: compiling costs start-up, and a CPU gains no speed
 )
 TINY_DATA = dict(train=4000, test=200, digits=2)  # synthetic problems (train / held-out test)
 TINY_MODEL = dict(hidden=64, layers=2, heads=2)  # tiny Llama over the char vocabulary
@@ -195,14 +196,16 @@ def tiny_task() -> tuple[list[dict], list[dict], list[dict]]:
 
 
 def cpu_config(model: str, **overrides) -> TBAConfig:
-    """A TBAConfig for one CPU: fp32, trainer and searchers on ``cpu``, the transformers engine,
-    shared-memory weights, one thread per process; ``overrides`` set any other field."""
+    """A TBAConfig for one CPU: fp32, trainer and searchers on ``cpu``, the transformers engine
+    (vLLM eager where chosen), shared-memory weights, one thread per process; ``overrides`` set
+    any other field."""
     values = dict(
         model=model,
         dtype="float32",
         trainer_device="cpu",
         searcher_devices="cpu",
         engine="hf",
+        vllm_compile=False,
         weight_store="shared_memory",
         num_searchers=1,
         torch_threads=1,

@@ -14,6 +14,7 @@ What travels between the processes is named here, and both sides import it:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import math
@@ -255,6 +256,30 @@ class _DropExpectedReloadWarnings(logging.Filter):
         )
 
 
+@contextlib.contextmanager
+def _preserved_rng():
+    """Restore every generator that ``LLM(seed=...)`` reseeds in this process (vLLM's
+    ``set_random_seed``: Python's, numpy's, torch's CPU one and every CUDA device's), so that
+    building an engine leaves the caller's random streams where they were."""
+    import numpy as np  # vLLM depends on it
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.init()  # runs pending lazy seeds first, so that the saved states include them
+    saved_random = random.getstate()
+    saved_numpy = np.random.get_state()
+    saved_torch = torch.get_rng_state()
+    saved_cuda = torch.cuda.get_rng_state_all() if cuda else None
+    try:
+        yield
+    finally:
+        random.setstate(saved_random)
+        np.random.set_state(saved_numpy)
+        torch.set_rng_state(saved_torch)
+        if saved_cuda is not None:
+            torch.cuda.set_rng_state_all(saved_cuda)
+
+
 def _reload_on_worker(worker, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
     """Runs in vLLM's worker (``collective_rpc`` of an in-process engine: tensors by reference).
     Every vLLM internal this project touches is here or in ``VLLMEngine.load_weights``, checked
@@ -291,6 +316,7 @@ class VLLMEngine:
         eos_id: int,
         seed: int,
         memory_utilization: float | None = None,
+        kv_cache_gb: float = 0.0,
     ):
         # In-process engine core: collective_rpc reaches the model here, tensors by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -306,27 +332,31 @@ class VLLMEngine:
             SamplingParams,
             TokensPrompt,
         )
+        # Compiled is vLLM's default: torch.compile, plus CUDA graphs on a GPU (none on CPU).
+        placement = dict(enforce_eager=not cfg.vllm_compile)
         if device.type == "cuda":  # device_ids pins this GPU; the trainer's stays visible for IPC
-            placement = dict(
+            placement.update(
                 device_ids=[torch.cuda.current_device() if device.index is None else device.index],
                 gpu_memory_utilization=memory_utilization or cfg.vllm_gpu_memory_utilization,
             )
-        else:  # on CPU a memory fraction means gigabytes: 1 GiB of KV cache, no compile step
-            placement = dict(enforce_eager=True, kv_cache_memory_bytes=1 << 30)
-        states = random.getstate(), torch.get_rng_state()  # LLM(seed=...) reseeds the process
-        self.llm = LLM(
-            model=cfg.model,
-            dtype=cfg.dtype,
-            seed=seed,
-            enable_prefix_caching=True,
-            trust_remote_code=cfg.trust_remote_code,
-            logprobs_mode="processed_logprobs",
-            log_level="ERROR",
-            use_tqdm_on_load=False,
-            **placement,
-        )
-        random.setstate(states[0])
-        torch.set_rng_state(states[1])
+        # A fixed KV cache skips vLLM's sizing from the memory free at start-up; on CPU a
+        # memory fraction would mean a fraction of RAM, so there it is always fixed (1 GiB).
+        if kv_cache_gb > 0:
+            placement.update(kv_cache_memory_bytes=int(kv_cache_gb * 1e9))
+        elif device.type != "cuda":
+            placement.update(kv_cache_memory_bytes=1 << 30)
+        with _preserved_rng():  # LLM(seed=...) reseeds the whole process
+            self.llm = LLM(
+                model=cfg.model,
+                dtype=cfg.dtype,
+                seed=seed,
+                enable_prefix_caching=True,
+                trust_remote_code=cfg.trust_remote_code,
+                logprobs_mode="processed_logprobs",
+                log_level="ERROR",
+                use_tqdm_on_load=False,
+                **placement,
+            )
 
     def params(self, n: int, greedy: bool, **extra):
         """The searchers' sampling: temperature T (0 when greedy), no top-k or top-p, stop at
@@ -389,7 +419,7 @@ def make_engine(
     cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int, seed: int
 ) -> Engine:
     return (
-        VLLMEngine(cfg, device, eos_id, seed)
+        VLLMEngine(cfg, device, eos_id, seed, kv_cache_gb=cfg.vllm_kv_cache_gb)
         if wants_vllm(cfg, device)
         else HFEngine(cfg, device, eos_id, pad_id)
     )

@@ -437,6 +437,16 @@ class TBAConfig:
         "auto", "generation engine: vllm | hf (transformers) | auto: vLLM on a GPU if installed"
     )
     vllm_gpu_memory_utilization: float = _knob(0.85, "fraction of a searcher GPU vLLM may take")
+    vllm_kv_cache_gb: float = _knob(
+        0.0,
+        "KV cache of each vLLM searcher in GB, fixed instead of sized from the memory free at its "
+        "start-up; vLLM still needs vllm_gpu_memory_utilization of the GPU free (0: sized)",
+    )
+    vllm_compile: bool = _knob(
+        True,
+        "vLLM compiled, its default: torch.compile, and CUDA graphs on a GPU; "
+        "off (--no-vllm_compile): eager, faster to start",
+    )
     weight_store: str = _knob(
         "auto", "cuda (CUDA IPC; auto with a CUDA trainer) | shared_memory (no GPU peer access)"
     )
@@ -573,6 +583,7 @@ class TBAConfig:
             "micro_batch_size",
             "max_grad_norm",
             "inv_temp",
+            "vllm_kv_cache_gb",
         )
         positive = ("beta_start", "beta_end", "lr", "temperature", "timeout_s", "parity_tol")
         for name in at_least_one:

@@ -371,6 +371,8 @@ def test_config_validation_and_cli():
         TBAConfig(num_generations=200)
     with pytest.raises(ValueError, match="max_grad_norm"):
         TBAConfig(max_grad_norm=-1.0)
+    with pytest.raises(ValueError, match="vllm_kv_cache_gb"):
+        TBAConfig(vllm_kv_cache_gb=-1.0)
     args = config_argparser().parse_args(
         ["--total_steps", "7", "--synchronous", "--beta_end", "0.01", "--no-tempered_logprobs"]
     )
@@ -1310,6 +1312,7 @@ def vllm_tied_model_dir(tmp_path_factory):
 def vllm_cfg(model_dir: str, **overrides) -> TBAConfig:
     values = dict(
         engine="vllm",
+        vllm_compile=False,  # eager starts in seconds; one test below runs it compiled
         num_generations=6,
         responses_per_prompt=6,
         prompts_per_step=2,
@@ -1389,6 +1392,52 @@ def test_vllm_engine_loads_published_weights(vllm_model_dir):
         assert greedy == reference.generate([long_prompt], 1, greedy=True)[0][0]
         assert greedy != before
         before = greedy
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_compiled_engine_loads_published_weights_and_keeps_the_process_rng(
+    vllm_tied_model_dir,
+):
+    """vLLM as GPUs run it by default, compiled (on CPU: Dynamo traced once and inductor; CUDA
+    graphs only on GPUs): after WeightStore.load_into(engine.load_weights) its prompt log-probs
+    equal the trainer's (transformers) under the new weights, and greedy generation follows
+    them. Building the engine leaves Python's, numpy's and torch's random streams where they
+    were, though LLM(seed=...) reseeds them all."""
+    import numpy as np  # installed with vLLM
+    from vllm.config import CompilationMode
+
+    def seed_all():
+        random.seed(7)
+        np.random.seed(7)
+        torch.manual_seed(7)
+
+    def draw():
+        return random.random(), np.random.random(), torch.rand(1).item()
+
+    cfg = vllm_cfg(vllm_tied_model_dir, vllm_compile=True, max_new_tokens=24)
+    seed_all()
+    engine = VLLMEngine(cfg, torch.device("cpu"), eos_id=1, seed=0)
+    drawn = draw()
+    seed_all()
+    assert drawn == draw()
+    compilation = engine.llm.llm_engine.vllm_config.compilation_config
+    assert compilation.mode != CompilationMode.NONE and compilation.backend == "inductor"
+
+    trainer_model = AutoModelForCausalLM.from_pretrained(vllm_tied_model_dir)
+    store = WeightStore(list(trainer_model.named_parameters()), torch.float32, torch.device("cpu"))
+    reference = HFEngine(cfg, torch.device("cpu"), eos_id=1, pad_id=0, model=trainer_model)
+    rng = random.Random(1)
+    long_prompt = [rng.randrange(4, 90) for _ in range(150)]
+    before = engine.generate([long_prompt], 1, greedy=True)[0][0]
+    store.publish(perturbed(trainer_model, seed=5), version=1)
+    assert store.load_into(engine.load_weights)[0] == 1
+    for prompt, response in (([5, 6, 7], [20, 21, 22, 1]), (long_prompt, [30, 31, 1])):
+        with torch.no_grad():
+            want = group_logprobs(trainer_model, [prompt], [[response]], pad_id=0, eos_id=1)
+        assert engine.probe_logprob(prompt, response) == pytest.approx(want.item(), abs=1e-3)
+    greedy = engine.generate([long_prompt], 1, greedy=True)[0][0]
+    assert greedy == reference.generate([long_prompt], 1, greedy=True)[0][0] != before
 
 
 @needs_vllm
