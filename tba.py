@@ -293,6 +293,17 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, trust_re
     return model.to(device)
 
 
+def meta_causal_lm(path: str, trust_remote_code: bool):
+    """The model at ``path`` on the meta device: its parameter names and shapes, in the order
+    ``load_causal_lm``'s model lists them (a tied head once), with no weights read and no
+    memory taken."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
 def pad_token_id(tokenizer) -> int:
     """The tokenizer's pad id, or its EOS id when it has none (pad positions are masked out)."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

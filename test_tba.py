@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import itertools
 import json
+import logging
 import math
 import multiprocessing
 import os
@@ -47,7 +48,7 @@ from run_gsm8k import (
     synthetic_problems,
     to_examples,
 )
-from searcher import HFEngine, Searcher, VLLMEngine
+from searcher import Failure, HFEngine, Searcher, VLLMEngine, WeightsNotLoaded
 from tba import (
     TBAConfig,
     WeightStore,
@@ -61,7 +62,7 @@ from tba import (
     tb_loss,
     wsd_lr_factor,
 )
-from trainer import SearcherFailed, Trainer, run_tba
+from trainer import SearcherFailed, SearcherPool, Trainer, run_tba
 
 REPO = Path(__file__).resolve().parent
 
@@ -949,6 +950,25 @@ def test_weight_store_seqlock_round_trip_cpu():
         store.load_into(load, timeout_s=0.2)
 
 
+def test_pool_does_not_restart_a_searcher_whose_weights_did_not_arrive(tiny_model_dir):
+    """A failed parity check or a refused weight load would fail again after a restart (the
+    same load, the same way): the run stops at once, though restarts are left."""
+    cfg = cpu_config(tiny_model_dir, max_searcher_restarts=3)
+    pool = SearcherPool(cfg, tiny_examples(), digit_reward, store=None, probe=None)
+    exited = types.SimpleNamespace(
+        is_alive=lambda: False, join=lambda timeout: None, kill=lambda: None
+    )
+    pool.procs = [exited]
+    pool.queue.put(Failure(0, "WeightsNotLoaded: parity check failed", restartable=False))
+    try:
+        with pytest.raises(SearcherFailed, match="not restarted"), time_limit(10):
+            pool.collect(timeout=5.0)
+        assert pool.restarts == 0
+    finally:
+        pool.queue.cancel_join_thread()
+        pool.queue.close()
+
+
 def _cuda_reader(store, out_queue):
     target = {}
     version, _ = store.load_into(lambda named: target.update({n: t.clone() for n, t in named}))
@@ -1392,6 +1412,55 @@ def test_vllm_engine_loads_published_weights(vllm_model_dir):
         assert greedy == reference.generate([long_prompt], 1, greedy=True)[0][0]
         assert greedy != before
         before = greedy
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_weight_load_refuses_missing_unknown_and_unloaded_weights(vllm_tied_model_dir):
+    """A load leaves no policy weight unloaded, or raises naming it: a missing or an unknown
+    name is refused before vLLM sees it; past that check, a layer vLLM reports as not loaded is
+    an error. The two reports every reload of a tied model makes (the rotary cache, the tied
+    head) are expected, and vLLM's reload loggers are left as they were."""
+    engine = VLLMEngine(vllm_cfg(vllm_tied_model_dir), torch.device("cpu"), eos_id=1, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(vllm_tied_model_dir)
+    named = perturbed(model, seed=4)
+    down = "model.layers.0.mlp.down_proj.weight"
+    without = [(name, t) for name, t in named if name != down]
+    with pytest.raises(WeightsNotLoaded, match=rf"missing \['{down}'\], unknown \[\]"):
+        engine.load_weights(without)
+    bogus = ("model.layers.0.mlp.bogus.weight", torch.zeros(3))
+    with pytest.raises(
+        WeightsNotLoaded, match=r"missing \[\], unknown \['model.layers.0.mlp.bogus"
+    ):
+        engine.load_weights([*named, bogus])
+    engine.expected_names.discard(down)  # as if down_proj were no policy weight: vLLM is asked
+    with pytest.raises(WeightsNotLoaded, match="RowParallelLinear: Failed to load weights"):
+        engine.load_weights(without)
+    engine.expected_names.add(down)
+
+    class Seen(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level, handlers = layerwise.level, list(layerwise.handlers)
+    seen = Seen()
+    layerwise.addHandler(seen)
+    try:
+        engine.load_weights(named)
+    finally:
+        layerwise.removeHandler(seen)
+    assert "RotaryEmbedding: Failed to load weights" in seen.messages
+    assert "ParallelLMHead: Failed to load weights" in seen.messages
+    assert (layerwise.level, layerwise.handlers) == (level, handlers)
+    prompt, response = [5, 6, 7], [20, 21, 22, 1]
+    with torch.no_grad():
+        want = group_logprobs(model, [prompt], [[response]], pad_id=0, eos_id=1).item()
+    assert engine.probe_logprob(prompt, response) == pytest.approx(want, abs=1e-3)
 
 
 @needs_vllm

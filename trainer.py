@@ -3,7 +3,8 @@
 ``run_tba`` starts the searcher processes (step 1) and loops here over 2 drain the queue into
 the replay buffer -> 3 sample P groups of K -> 4 TB loss, AdamW step -> 5 every k steps publish
 the weights to the ``WeightStore``. Every wait has a timeout; a failed searcher is restarted
-(``max_searcher_restarts`` in all); on any exit every child is joined and a checkpoint written.
+(``max_searcher_restarts`` in all) unless its weights did not arrive; on any exit every child
+is joined and a checkpoint written.
 """
 
 from __future__ import annotations
@@ -306,13 +307,15 @@ class SearcherPool:
             )
             self.procs[r].start()
 
-    def _failed(self, rank: int, why: str) -> None:
+    def _failed(self, rank: int, why: str, restartable: bool = True) -> None:
         """A searcher failed: restart it (it loads the newest weights on start) or raise."""
         self.procs[rank].join(timeout=5.0)
         self.procs[rank].kill()  # a no-op when it has exited
         self.procs[rank].join(timeout=5.0)
         error = self.last_error.get(rank, "(no traceback: the process died)")
         limit = self.cfg.max_searcher_restarts
+        if not restartable:
+            raise SearcherFailed(f"searcher {rank} failed ({why}; not restarted):\n{error}")
         if self.restarts >= limit:
             raise SearcherFailed(
                 f"searcher {rank} failed ({why}); {self.restarts} restarts used of {limit}:\n"
@@ -329,7 +332,8 @@ class SearcherPool:
         for message in self.drain(timeout):
             if isinstance(message, Failure):
                 self.last_error[message.rank] = message.traceback
-                self._failed(message.rank, "raised")
+                why = "raised" if message.restartable else "its weights did not arrive"
+                self._failed(message.rank, why, message.restartable)
             elif isinstance(message, Ready):
                 self.first_ready_at = self.first_ready_at or message.unix_time
             elif isinstance(message, Batch):
