@@ -68,7 +68,8 @@ class BatchStats:
 
 @dataclass
 class Ready:
-    """The models are loaded and generation starts: the run's clock may start."""
+    """The engine and the reference model are loaded (a vLLM engine has sized its KV cache):
+    the trainer may allocate its own memory. Generation starts at the first publish."""
 
     rank: int
     unix_time: float
@@ -556,12 +557,16 @@ class Searcher:
         return self.stop_event.is_set() or (parent is not None and not parent.is_alive())
 
     def load_newest_weights(self) -> tuple[float, float | None]:
-        """1a. Load the newest published version if it is newer than ours. When synchronous,
-        first wait for a version newer than the one just used (the on-policy baseline).
-        Returns the seconds spent loading (0 when nothing was newer) and the engine's checksum
-        of what it loaded (None when nothing was loaded or the engine cannot tell)."""
+        """1a. Load the newest published version if it is newer than ours. Before the first
+        publish, wait for it: a searcher starts before the trainer has its model, and never
+        generates with the weights it started from. When synchronous, first wait for a version
+        newer than the one just used (the on-policy baseline). Returns the seconds spent loading
+        (0 when nothing was newer) and the engine's checksum of what it loaded (None when
+        nothing was loaded or the engine cannot tell)."""
         deadline = time.monotonic() + self.cfg.timeout_s
-        while self.cfg.synchronous and self.version >= 0 and self.store.version() <= self.version:
+        while self.store.version() < 0 or (
+            self.cfg.synchronous and self.version >= 0 and self.store.version() <= self.version
+        ):
             if self.should_stop():
                 return 0.0, None
             if time.monotonic() > deadline:

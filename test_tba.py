@@ -48,7 +48,7 @@ from run_gsm8k import (
     synthetic_problems,
     to_examples,
 )
-from searcher import Failure, HFEngine, Searcher, VLLMEngine, WeightsNotLoaded
+from searcher import Failure, HFEngine, Ready, Searcher, VLLMEngine, WeightsNotLoaded
 from tba import (
     TBAConfig,
     WeightStore,
@@ -56,6 +56,7 @@ from tba import (
     config_argparser,
     config_from_args,
     group_logprobs,
+    meta_causal_lm,
     pad_sequences,
     sequence_logprobs,
     tb_log_z,
@@ -948,6 +949,37 @@ def test_weight_store_seqlock_round_trip_cpu():
     )
     with pytest.raises(TimeoutError):
         store.load_into(load, timeout_s=0.2)
+
+
+def test_weight_store_laid_out_from_the_meta_model_takes_the_trainers_weights(tiny_model_dir):
+    """run_tba lays the store out before the trainer loads its model (searchers start first):
+    the meta model lists the same names and shapes, in the order the trainer publishes."""
+    store = WeightStore(
+        list(meta_causal_lm(tiny_model_dir, False).named_parameters()),
+        torch.float32,
+        torch.device("cpu"),
+    )
+    trainer_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    store.publish(list(trainer_model.named_parameters()), version=0)
+    loaded = {}
+    store.load_into(lambda named: loaded.update({n: t.clone() for n, t in named}))
+    assert loaded.keys() == dict(trainer_model.named_parameters()).keys()
+    for name, param in trainer_model.named_parameters():
+        assert torch.equal(loaded[name], param.detach()), name
+
+
+def test_pool_waits_for_every_searcher_to_be_ready_and_names_the_late_one(tiny_model_dir):
+    cfg = cpu_config(tiny_model_dir, num_searchers=2, timeout_s=0.5)
+    pool = SearcherPool(cfg, tiny_examples(), digit_reward, store=None, probe=None)
+    pool.procs = [types.SimpleNamespace(is_alive=lambda: True)] * 2  # started, still loading
+    pool.queue.put(Ready(rank=0, unix_time=time.time()))
+    try:
+        with pytest.raises(TimeoutError, match=r"searcher\(s\) \[1\] not ready"):
+            pool.wait_ready()
+        assert pool.ready == {0}
+    finally:
+        pool.queue.cancel_join_thread()
+        pool.queue.close()
 
 
 def test_pool_does_not_restart_a_searcher_whose_weights_did_not_arrive(tiny_model_dir):
