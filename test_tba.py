@@ -1160,8 +1160,9 @@ def test_prompt_longer_than_context_fails_before_any_process_starts(tiny_model_d
 
 @pytest.mark.slow
 def test_smoke_preset_reports_step_time_memory_mop_and_lag(tiny_model_dir, tmp_path, capsys):
-    """--preset smoke: the paper preset (bf16, N = 24, K = 20, P = 7) for ten steps, then the
-    summary a user needs on a new GPU box. Here on CPU with a tiny model and short answers."""
+    """--preset smoke: the paper preset (bf16, N = 24, K = 20, P = 7) for ten steps, parity
+    checked after every weight load, then the summary a user needs on a new GPU box, ending with
+    whether the weights reached every engine. Here on CPU with a tiny model and short answers."""
 
     rows = "".join(
         json.dumps({"question": f"What is {a} + {a}?", "answer": f"#### {2 * a}"}) + "\n"
@@ -1200,6 +1201,9 @@ def test_smoke_preset_reports_step_time_memory_mop_and_lag(tiny_model_dir, tmp_p
     assert all(0 < gb < 24 for gb in summary["peak_memory_gb"].values())
     assert 0 <= summary["mop_frac"] <= 1 and summary["lag_max"] >= summary["lag_mean"] >= 0
     assert results["test_size"] == 30 and results["config"]["dtype"] == "bfloat16"
+    assert results["config"]["parity_check"]
+    assert summary["weights"].startswith("weights reached every searcher (searcher0 up to version")
+    assert summary["weights"].endswith("and the evaluator (it runs the trainer's model itself)")
     printed = capsys.readouterr().out
     for text in (
         "s/step (median)",
@@ -1208,6 +1212,7 @@ def test_smoke_preset_reports_step_time_memory_mop_and_lag(tiny_model_dir, tmp_p
         "lag mean",
     ):
         assert text in printed, text
+    assert printed.splitlines()[-1] == summary["weights"]
     assert child_pids() == []
 
 
