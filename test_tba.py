@@ -1216,6 +1216,30 @@ def test_smoke_preset_reports_step_time_memory_mop_and_lag(tiny_model_dir, tmp_p
     assert child_pids() == []
 
 
+def test_weights_verdict_names_what_was_not_confirmed(tmp_path):
+    rows = [
+        {"step": 1, "searcher0/version": 0.0, "searcher1/version": 0.0},
+        {"step": 2, "searcher0/version": 2.0, "searcher1/version": 0.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hf = types.SimpleNamespace(vllm=None)
+    on_vllm = types.SimpleNamespace(vllm=object(), checked_loads=0)
+
+    def verdict(num_searchers, evaluator, parity_check=True):
+        cfg = cpu_config("", num_searchers=num_searchers, parity_check=parity_check)
+        return run_gsm8k.weights_verdict(cfg, tmp_path, evaluator)
+
+    assert verdict(1, hf) == (
+        "weights reached every searcher (searcher0 up to version 2; parity checked after every "
+        "load) and the evaluator (it runs the trainer's model itself)"
+    )
+    assert verdict(3, on_vllm) == (
+        "weights NOT confirmed for: searcher1 (only version 0 checked, the weights it started "
+        "from), searcher2 (no batch arrived), the evaluator (no vLLM load checked)"
+    )
+    assert verdict(1, hf, parity_check=False) == "weights: not checked (parity_check is off)"
+
+
 def session_pids(sid: int) -> list[int]:
     """Processes of a session (the run started with start_new_session=True), zombies aside."""
     return [pid for pid, fields, _ in proc_stats() if int(fields[3]) == sid and fields[0] != "Z"]
@@ -1549,14 +1573,15 @@ def test_vllm_compiled_engine_loads_published_weights_and_keeps_the_process_rng(
 @needs_vllm
 @pytest.mark.slow
 def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
-    """Greedy accuracy through the vLLM evaluation engine (which loads the trainer's weights)
-    equals the transformers one, on examples where roughly half of the answers are right."""
+    """Greedy accuracy through the vLLM evaluation engine (which loads the trainer's weights and
+    checks the parity probe) equals the transformers one, on examples where roughly half of the
+    answers are right."""
 
     tok = AutoTokenizer.from_pretrained(vllm_model_dir)
     model = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
     perturbed(model, seed=3)  # not the weights on disk: the evaluator must load them
     examples = to_examples(synthetic_problems(24, seed=5))
-    cfg = vllm_cfg(vllm_model_dir, max_new_tokens=24)
+    cfg = vllm_cfg(vllm_model_dir, max_new_tokens=24, parity_check=True)
     hf_answers = HFEngine(
         cfg, torch.device("cpu"), tok.eos_token_id, tok.pad_token_id, model=model
     ).generate([tok(ex["prompt"])["input_ids"] for ex in examples], 1, greedy=True)
@@ -1568,8 +1593,10 @@ def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
     on_hf = Evaluator(vllm_cfg(vllm_model_dir, engine="hf", max_new_tokens=24), tok).accuracy(
         model, examples
     )
-    on_vllm = Evaluator(cfg, tok).accuracy(model, examples)
+    evaluator = Evaluator(cfg, tok)
+    on_vllm = evaluator.accuracy(model, examples)
     assert on_vllm == on_hf and 0.2 < on_hf <= 0.5
+    assert evaluator.checked_loads == 1  # the parity probe matched after the load
 
 
 @needs_vllm
