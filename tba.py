@@ -552,6 +552,17 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, trust_re
     return model.to(device)
 
 
+def meta_causal_lm(path: str, trust_remote_code: bool):
+    """The model at ``path`` on the meta device: its parameter names and shapes, in the order
+    ``load_causal_lm``'s model lists them (a tied head once), with no weights read and no
+    memory taken."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
 def pad_token_id(tokenizer) -> int:
     """The tokenizer's pad id, or its EOS id when it has none (pad positions are masked out)."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -696,6 +707,16 @@ class TBAConfig:
         "auto", "generation engine: vllm | hf (transformers) | auto: vLLM on a GPU if installed"
     )
     vllm_gpu_memory_utilization: float = _knob(0.85, "fraction of a searcher GPU vLLM may take")
+    vllm_kv_cache_gb: float = _knob(
+        0.0,
+        "KV cache of each vLLM searcher in GB, fixed instead of sized from the memory free at its "
+        "start-up; vLLM still needs vllm_gpu_memory_utilization of the GPU free (0: sized)",
+    )
+    vllm_compile: bool = _knob(
+        True,
+        "vLLM compiled, its default: torch.compile, and CUDA graphs on a GPU; "
+        "off (--no-vllm_compile): eager, faster to start",
+    )
     weight_store: str = _knob(
         "auto", "cuda (CUDA IPC; auto with a CUDA trainer) | shared_memory (no GPU peer access)"
     )
@@ -853,6 +874,7 @@ class TBAConfig:
             "max_grad_norm",
             "tb_residual_bound",
             "inv_temp",
+            "vllm_kv_cache_gb",
         )
         positive = ("beta_start", "beta_end", "lr", "temperature", "timeout_s", "parity_tol")
         for name in at_least_one:

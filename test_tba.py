@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import itertools
 import json
+import logging
 import math
 import multiprocessing
 import os
@@ -49,7 +50,7 @@ from run_gsm8k import (
     synthetic_problems,
     to_examples,
 )
-from searcher import HFEngine, Searcher, VLLMEngine
+from searcher import Failure, HFEngine, Ready, Searcher, VLLMEngine, WeightsNotLoaded
 from tba import (
     TBAConfig,
     WeightStore,
@@ -62,6 +63,7 @@ from tba import (
     grpo_loss,
     grpo_metrics,
     k3_kl,
+    meta_causal_lm,
     pad_sequences,
     scored_tokens,
     sequence_logprobs,
@@ -69,7 +71,7 @@ from tba import (
     tb_loss,
     wsd_lr_factor,
 )
-from trainer import SearcherFailed, Trainer, padded, run_tba
+from trainer import SearcherFailed, SearcherPool, Trainer, padded, run_tba
 
 REPO = Path(__file__).resolve().parent
 
@@ -663,6 +665,8 @@ def test_config_validation_and_cli():
     with pytest.raises(ValueError, match="grpo_kl_coef"):
         TBAConfig(grpo_kl_coef=-0.1)
     assert config_from_args(config_argparser().parse_args(["--loss", "grpo"])).loss == "grpo"
+    with pytest.raises(ValueError, match="vllm_kv_cache_gb"):
+        TBAConfig(vllm_kv_cache_gb=-1.0)
     args = config_argparser().parse_args(
         ["--total_steps", "7", "--synchronous", "--beta_end", "0.01", "--no-tempered_logprobs"]
     )
@@ -1486,6 +1490,56 @@ def test_weight_store_seqlock_round_trip_cpu():
         store.load_into(load, timeout_s=0.2)
 
 
+def test_weight_store_laid_out_from_the_meta_model_takes_the_trainers_weights(tiny_model_dir):
+    """run_tba lays the store out before the trainer loads its model (searchers start first):
+    the meta model lists the same names and shapes, in the order the trainer publishes."""
+    store = WeightStore(
+        list(meta_causal_lm(tiny_model_dir, False).named_parameters()),
+        torch.float32,
+        torch.device("cpu"),
+    )
+    trainer_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    store.publish(list(trainer_model.named_parameters()), version=0)
+    loaded = {}
+    store.load_into(lambda named: loaded.update({n: t.clone() for n, t in named}))
+    assert loaded.keys() == dict(trainer_model.named_parameters()).keys()
+    for name, param in trainer_model.named_parameters():
+        assert torch.equal(loaded[name], param.detach()), name
+
+
+def test_pool_waits_for_every_searcher_to_be_ready_and_names_the_late_one(tiny_model_dir):
+    cfg = cpu_config(tiny_model_dir, num_searchers=2, timeout_s=0.5)
+    pool = SearcherPool(cfg, tiny_examples(), digit_reward, store=None, probe=None)
+    pool.procs = [types.SimpleNamespace(is_alive=lambda: True)] * 2  # started, still loading
+    pool.queue.put(Ready(rank=0, unix_time=time.time()))
+    try:
+        with pytest.raises(TimeoutError, match=r"searcher\(s\) \[1\] not ready"):
+            pool.wait_ready()
+        assert pool.ready == {0}
+    finally:
+        pool.queue.cancel_join_thread()
+        pool.queue.close()
+
+
+def test_pool_does_not_restart_a_searcher_whose_weights_did_not_arrive(tiny_model_dir):
+    """A failed parity check or a refused weight load would fail again after a restart (the
+    same load, the same way): the run stops at once, though restarts are left."""
+    cfg = cpu_config(tiny_model_dir, max_searcher_restarts=3)
+    pool = SearcherPool(cfg, tiny_examples(), digit_reward, store=None, probe=None)
+    exited = types.SimpleNamespace(
+        is_alive=lambda: False, join=lambda timeout: None, kill=lambda: None
+    )
+    pool.procs = [exited]
+    pool.queue.put(Failure(0, "WeightsNotLoaded: parity check failed", restartable=False))
+    try:
+        with pytest.raises(SearcherFailed, match="not restarted"), time_limit(10):
+            pool.collect(timeout=5.0)
+        assert pool.restarts == 0
+    finally:
+        pool.queue.cancel_join_thread()
+        pool.queue.close()
+
+
 def _cuda_reader(store, out_queue):
     target = {}
     version, _ = store.load_into(lambda named: target.update({n: t.clone() for n, t in named}))
@@ -1645,8 +1699,9 @@ def test_prompt_longer_than_context_fails_before_any_process_starts(tiny_model_d
 
 @pytest.mark.slow
 def test_smoke_preset_reports_step_time_memory_mop_and_lag(tiny_model_dir, tmp_path, capsys):
-    """--preset smoke: the paper preset (bf16, N = 24, K = 20, P = 7) for ten steps, then the
-    summary a user needs on a new GPU box. Here on CPU with a tiny model and short answers."""
+    """--preset smoke: the paper preset (bf16, N = 24, K = 20, P = 7) for ten steps, parity
+    checked after every weight load, then the summary a user needs on a new GPU box, ending with
+    whether the weights reached every engine. Here on CPU with a tiny model and short answers."""
 
     rows = "".join(
         json.dumps({"question": f"What is {a} + {a}?", "answer": f"#### {2 * a}"}) + "\n"
@@ -1685,6 +1740,9 @@ def test_smoke_preset_reports_step_time_memory_mop_and_lag(tiny_model_dir, tmp_p
     assert all(0 < gb < 24 for gb in summary["peak_memory_gb"].values())
     assert 0 <= summary["mop_frac"] <= 1 and summary["lag_max"] >= summary["lag_mean"] >= 0
     assert results["test_size"] == 30 and results["config"]["dtype"] == "bfloat16"
+    assert results["config"]["parity_check"]
+    assert summary["weights"].startswith("weights reached every searcher (searcher0 up to version")
+    assert summary["weights"].endswith("and the evaluator (it runs the trainer's model itself)")
     printed = capsys.readouterr().out
     for text in (
         "s/step (median)",
@@ -1693,7 +1751,32 @@ def test_smoke_preset_reports_step_time_memory_mop_and_lag(tiny_model_dir, tmp_p
         "lag mean",
     ):
         assert text in printed, text
+    assert printed.splitlines()[-1] == summary["weights"]
     assert child_pids() == []
+
+
+def test_weights_verdict_names_what_was_not_confirmed(tmp_path):
+    rows = [
+        {"step": 1, "searcher0/version": 0.0, "searcher1/version": 0.0},
+        {"step": 2, "searcher0/version": 2.0, "searcher1/version": 0.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hf = types.SimpleNamespace(vllm=None)
+    on_vllm = types.SimpleNamespace(vllm=object(), checked_loads=0)
+
+    def verdict(num_searchers, evaluator, parity_check=True):
+        cfg = cpu_config("", num_searchers=num_searchers, parity_check=parity_check)
+        return run_gsm8k.weights_verdict(cfg, tmp_path, evaluator)
+
+    assert verdict(1, hf) == (
+        "weights reached every searcher (searcher0 up to version 2; parity checked after every "
+        "load) and the evaluator (it runs the trainer's model itself)"
+    )
+    assert verdict(3, on_vllm) == (
+        "weights NOT confirmed for: searcher1 (only version 0 checked, the weights it started "
+        "from), searcher2 (no batch arrived), the evaluator (no vLLM load checked)"
+    )
+    assert verdict(1, hf, parity_check=False) == "weights: not checked (parity_check is off)"
 
 
 def session_pids(sid: int) -> list[int]:
@@ -1849,6 +1932,7 @@ def vllm_tied_model_dir(tmp_path_factory):
 def vllm_cfg(model_dir: str, **overrides) -> TBAConfig:
     values = dict(
         engine="vllm",
+        vllm_compile=False,  # eager starts in seconds; one test below runs it compiled
         num_generations=6,
         responses_per_prompt=6,
         prompts_per_step=2,
@@ -1961,15 +2045,111 @@ def test_vllm_engine_loads_published_weights(vllm_model_dir):
 
 @needs_vllm
 @pytest.mark.slow
+def test_vllm_weight_load_refuses_missing_unknown_and_unloaded_weights(vllm_tied_model_dir):
+    """A load leaves no policy weight unloaded, or raises naming it: a missing or an unknown
+    name is refused before vLLM sees it; past that check, a layer vLLM reports as not loaded is
+    an error. The two reports every reload of a tied model makes (the rotary cache, the tied
+    head) are expected, and vLLM's reload loggers are left as they were."""
+    engine = VLLMEngine(vllm_cfg(vllm_tied_model_dir), torch.device("cpu"), eos_id=1, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(vllm_tied_model_dir)
+    named = perturbed(model, seed=4)
+    down = "model.layers.0.mlp.down_proj.weight"
+    without = [(name, t) for name, t in named if name != down]
+    with pytest.raises(WeightsNotLoaded, match=rf"missing \['{down}'\], unknown \[\]"):
+        engine.load_weights(without)
+    bogus = ("model.layers.0.mlp.bogus.weight", torch.zeros(3))
+    with pytest.raises(
+        WeightsNotLoaded, match=r"missing \[\], unknown \['model.layers.0.mlp.bogus"
+    ):
+        engine.load_weights([*named, bogus])
+    engine.expected_names.discard(down)  # as if down_proj were no policy weight: vLLM is asked
+    with pytest.raises(WeightsNotLoaded, match="RowParallelLinear: Failed to load weights"):
+        engine.load_weights(without)
+    engine.expected_names.add(down)
+
+    class Seen(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level, handlers = layerwise.level, list(layerwise.handlers)
+    seen = Seen()
+    layerwise.addHandler(seen)
+    try:
+        engine.load_weights(named)
+    finally:
+        layerwise.removeHandler(seen)
+    assert "RotaryEmbedding: Failed to load weights" in seen.messages
+    assert "ParallelLMHead: Failed to load weights" in seen.messages
+    assert (layerwise.level, layerwise.handlers) == (level, handlers)
+    prompt, response = [5, 6, 7], [20, 21, 22, 1]
+    with torch.no_grad():
+        want = group_logprobs(model, [prompt], [[response]], pad_id=0, eos_id=1).item()
+    assert engine.probe_logprob(prompt, response) == pytest.approx(want, abs=1e-3)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_compiled_engine_loads_published_weights_and_keeps_the_process_rng(
+    vllm_tied_model_dir,
+):
+    """vLLM as GPUs run it by default, compiled (on CPU: Dynamo traced once and inductor; CUDA
+    graphs only on GPUs): after WeightStore.load_into(engine.load_weights) its prompt log-probs
+    equal the trainer's (transformers) under the new weights, and greedy generation follows
+    them. Building the engine leaves Python's, numpy's and torch's random streams where they
+    were, though LLM(seed=...) reseeds them all."""
+    import numpy as np  # installed with vLLM
+    from vllm.config import CompilationMode
+
+    def seed_all():
+        random.seed(7)
+        np.random.seed(7)
+        torch.manual_seed(7)
+
+    def draw():
+        return random.random(), np.random.random(), torch.rand(1).item()
+
+    cfg = vllm_cfg(vllm_tied_model_dir, vllm_compile=True, max_new_tokens=24)
+    seed_all()
+    engine = VLLMEngine(cfg, torch.device("cpu"), eos_id=1, seed=0)
+    drawn = draw()
+    seed_all()
+    assert drawn == draw()
+    compilation = engine.llm.llm_engine.vllm_config.compilation_config
+    assert compilation.mode != CompilationMode.NONE and compilation.backend == "inductor"
+
+    trainer_model = AutoModelForCausalLM.from_pretrained(vllm_tied_model_dir)
+    store = WeightStore(list(trainer_model.named_parameters()), torch.float32, torch.device("cpu"))
+    reference = HFEngine(cfg, torch.device("cpu"), eos_id=1, pad_id=0, model=trainer_model)
+    rng = random.Random(1)
+    long_prompt = [rng.randrange(4, 90) for _ in range(150)]
+    before = engine.generate([long_prompt], 1, greedy=True)[0][0]
+    store.publish(perturbed(trainer_model, seed=5), version=1)
+    assert store.load_into(engine.load_weights)[0] == 1
+    for prompt, response in (([5, 6, 7], [20, 21, 22, 1]), (long_prompt, [30, 31, 1])):
+        with torch.no_grad():
+            want = group_logprobs(trainer_model, [prompt], [[response]], pad_id=0, eos_id=1)
+        assert engine.probe_logprob(prompt, response) == pytest.approx(want.item(), abs=1e-3)
+    greedy = engine.generate([long_prompt], 1, greedy=True)[0][0]
+    assert greedy == reference.generate([long_prompt], 1, greedy=True)[0][0] != before
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
-    """Greedy accuracy through the vLLM evaluation engine (which loads the trainer's weights)
-    equals the transformers one, on examples where roughly half of the answers are right."""
+    """Greedy accuracy through the vLLM evaluation engine (which loads the trainer's weights and
+    checks the parity probe) equals the transformers one, on examples where roughly half of the
+    answers are right."""
 
     tok = AutoTokenizer.from_pretrained(vllm_model_dir)
     model = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
     perturbed(model, seed=3)  # not the weights on disk: the evaluator must load them
     examples = to_examples(synthetic_problems(24, seed=5))
-    cfg = vllm_cfg(vllm_model_dir, max_new_tokens=24)
+    cfg = vllm_cfg(vllm_model_dir, max_new_tokens=24, parity_check=True)
     hf_answers = HFEngine(
         cfg, torch.device("cpu"), tok.eos_token_id, tok.pad_token_id, model=model
     ).generate([tok(ex["prompt"])["input_ids"] for ex in examples], 1, greedy=True)
@@ -1981,8 +2161,10 @@ def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
     on_hf = Evaluator(vllm_cfg(vllm_model_dir, engine="hf", max_new_tokens=24), tok).accuracy(
         model, examples
     )
-    on_vllm = Evaluator(cfg, tok).accuracy(model, examples)
+    evaluator = Evaluator(cfg, tok)
+    on_vllm = evaluator.accuracy(model, examples)
     assert on_vllm == on_hf and 0.2 < on_hf <= 0.5
+    assert evaluator.checked_loads == 1  # the parity probe matched after the load
 
 
 @needs_vllm

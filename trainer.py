@@ -1,10 +1,11 @@
 """The trainer (steps 2-5 of tba.py's algorithm) and ``run_tba``, which runs the whole system.
 
-``run_tba`` starts the searcher processes (step 1) and loops here over 2 drain the queue into
-the replay buffer -> 3 sample P groups of K -> 4 the loss (TB, or the GRPO baseline), AdamW step
--> 5 every k steps publish the weights to the ``WeightStore``. Every wait has a timeout; a
-failed searcher is restarted (``max_searcher_restarts`` in all); on any exit every child is
-joined and a checkpoint written.
+``run_tba`` starts the searcher processes (step 1), waits until each is ready, then loads the
+trainer's model, publishes it, and loops here over 2 drain the queue into the replay buffer ->
+3 sample P groups of K -> 4 the loss (TB, or the GRPO baseline), AdamW step -> 5 every k steps
+publish the weights to the ``WeightStore``. Every wait has a timeout; a failed searcher is
+restarted (``max_searcher_restarts`` in all) unless its weights did not arrive; on any exit
+every child is joined and, once the trainer is loaded, a checkpoint written.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from tba import (
     grpo_loss,
     grpo_metrics,
     load_causal_lm,
+    meta_causal_lm,
     pad_token_id,
     peak_memory_gb,
     tb_log_z,
@@ -397,7 +399,7 @@ class SearcherPool:
         self.procs: list = [None] * cfg.num_searchers
         self.restarts = 0  # all searchers together
         self.last_error: dict[int, str] = {}  # rank -> traceback of its latest Failure
-        self.first_ready_at: float | None = None  # time.time() when a searcher could first generate
+        self.ready: set[int] = set()  # ranks whose running process has sent Ready
         self.arrived: list[BatchStats] = []  # of the batches since the last metrics()
         self.latest: dict[int, BatchStats] = {}  # rank -> of its newest batch
 
@@ -405,18 +407,35 @@ class SearcherPool:
         """Start searcher ``rank``, or all of them."""
         ranks = [rank] if rank is not None else range(self.cfg.num_searchers)
         for r in ranks:
+            self.ready.discard(r)
             self.procs[r] = self.ctx.Process(
                 target=searcher_main, name=f"tba-searcher-{r}", args=(self.setups[r],)
             )
             self.procs[r].start()
 
-    def _failed(self, rank: int, why: str) -> None:
+    def wait_ready(self) -> None:
+        """Wait until every searcher has sent Ready: its engine is built and, with vLLM, its KV
+        cache sized from the memory free at that moment, which the trainer has not taken yet."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while len(self.ready) < self.cfg.num_searchers:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.cfg.num_searchers)) - self.ready)
+                raise TimeoutError(
+                    f"searcher(s) {missing} not ready (engine and reference model loaded) "
+                    f"within {self.cfg.timeout_s}s"
+                )
+            if self.collect(timeout=0.2):
+                raise RuntimeError("a searcher generated before the first publish")
+
+    def _failed(self, rank: int, why: str, restartable: bool = True) -> None:
         """A searcher failed: restart it (it loads the newest weights on start) or raise."""
         self.procs[rank].join(timeout=5.0)
         self.procs[rank].kill()  # a no-op when it has exited
         self.procs[rank].join(timeout=5.0)
         error = self.last_error.get(rank, "(no traceback: the process died)")
         limit = self.cfg.max_searcher_restarts
+        if not restartable:
+            raise SearcherFailed(f"searcher {rank} failed ({why}; not restarted):\n{error}")
         if self.restarts >= limit:
             raise SearcherFailed(
                 f"searcher {rank} failed ({why}); {self.restarts} restarts used of {limit}:\n"
@@ -433,9 +452,10 @@ class SearcherPool:
         for message in self.drain(timeout):
             if isinstance(message, Failure):
                 self.last_error[message.rank] = message.traceback
-                self._failed(message.rank, "raised")
+                why = "raised" if message.restartable else "its weights did not arrive"
+                self._failed(message.rank, why, message.restartable)
             elif isinstance(message, Ready):
-                self.first_ready_at = self.first_ready_at or message.unix_time
+                self.ready.add(message.rank)
             elif isinstance(message, Batch):
                 trajectories += message.trajectories
                 self.arrived.append(message.stats)
@@ -534,39 +554,35 @@ def run_tba(
     if cfg.parity_check:
         probe_prompt = tokenizer(examples[0]["prompt"])["input_ids"]
         probe = ParityProbe.from_prompt(probe_prompt, cfg.parity_tol)
-    trainer = Trainer(cfg, device, pad_token_id(tokenizer), tokenizer.eos_token_id, probe)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = out_dir / "checkpoint.pt"
     metrics_path = out_dir / "metrics.jsonl"
-    old_rows = []
-    if cfg.resume and metrics_path.exists():
-        old_rows = metrics_path.read_text().splitlines()
-    if cfg.resume and ckpt_path.exists():
-        trainer.load(ckpt_path)
-        tqdm.write(f"resumed from {ckpt_path} at step {trainer.step}")
-    elif cfg.resume:
-        tqdm.write(f"--resume: no checkpoint at {ckpt_path}; starting from step 0")
-    # A resumed log keeps the rows up to the checkpoint; a fresh run starts a fresh log.
-    kept = [row for row in old_rows if row.strip() and json.loads(row)["step"] <= trainer.step]
-    metrics_path.write_text("".join(row + "\n" for row in kept))
-    store = make_weight_store(cfg, trainer.model, device)
-    trainer.publish(store)  # the current weights, before any searcher starts
+    # The searchers start before the trainer allocates anything but the store: a vLLM engine
+    # sizes its KV cache from the GPU memory free at its start-up, and may share the trainer's
+    # GPU. The store's layout needs only the policy's names and shapes.
+    store = make_weight_store(cfg, meta_causal_lm(cfg.model, cfg.trust_remote_code), device)
     pool = SearcherPool(cfg, examples, reward_fn, store, probe, log=tqdm.write)
     # Ctrl-C and SIGTERM end the run cleanly. Set both: a background process inherits SIGINT
     # ignored.
     old_handlers = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         old_handlers[sig] = signal.signal(sig, _raise_keyboard_interrupt)
-    bar = tqdm(
-        total=cfg.total_steps,
-        initial=trainer.step,
-        desc="TBA",
-        disable=not show_progress,
-        dynamic_ncols=True,
-    )
+    trainer = None  # set once loaded (and resumed): only then is a checkpoint written on exit
+    bar = None
     try:
         pool.start()  # 1. the searchers run from here on, in their own processes
+        pool.wait_ready()
+        trainer = _load_trainer(cfg, device, tokenizer, probe, ckpt_path, metrics_path)
+        trainer.publish(store)  # the first version: searchers wait for it before generating
+        started = time.time()  # wall_time counts training, not start-up
+        bar = tqdm(
+            total=cfg.total_steps,
+            initial=trainer.step,
+            desc="TBA",
+            disable=not show_progress,
+            dynamic_ncols=True,
+        )
         with open(metrics_path, "a") as metrics_file:
             while trainer.step < cfg.total_steps:
                 # 2. Drain the queue into the buffer; wait only when the trainer may not step.
@@ -590,9 +606,6 @@ def run_tba(
                 if cfg.synchronous or trainer.step % cfg.sync_every == 0:
                     publish_s = trainer.publish(store)  # 5. publish every k steps
 
-                # wall_time counts from the first searcher ready to generate: start-up is not
-                # training.
-                started = pool.first_ready_at or time.time()
                 metrics = {"step": trainer.step, "wall_time": time.time() - started, **metrics}
                 metrics.update(trainer.buffer.stats(trainer.step))
                 metrics.update(pool.metrics())
@@ -615,9 +628,35 @@ def run_tba(
                 bar.update(1)
                 bar.set_postfix(progress_fields(metrics))
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
         pool.stop()  # children first: every process of the run is gone before the save
-        trainer.save(ckpt_path)
+        if trainer is not None:
+            trainer.save(ckpt_path)
+    return trainer
+
+
+def _load_trainer(
+    cfg: TBAConfig,
+    device: torch.device,
+    tokenizer,
+    probe: ParityProbe | None,
+    ckpt_path: Path,
+    metrics_path: Path,
+) -> Trainer:
+    """The trainer, resumed from ``ckpt_path`` when ``cfg.resume``; metrics.jsonl cut to match."""
+    trainer = Trainer(cfg, device, pad_token_id(tokenizer), tokenizer.eos_token_id, probe)
+    old_rows = []
+    if cfg.resume and metrics_path.exists():
+        old_rows = metrics_path.read_text().splitlines()
+    if cfg.resume and ckpt_path.exists():
+        trainer.load(ckpt_path)
+        tqdm.write(f"resumed from {ckpt_path} at step {trainer.step}")
+    elif cfg.resume:
+        tqdm.write(f"--resume: no checkpoint at {ckpt_path}; starting from step 0")
+    # A resumed log keeps the rows up to the checkpoint; a fresh run starts a fresh log.
+    kept = [row for row in old_rows if row.strip() and json.loads(row)["step"] <= trainer.step]
+    metrics_path.write_text("".join(row + "\n" for row in kept))
     return trainer
