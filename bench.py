@@ -415,7 +415,7 @@ def bench_staleness(
     model_dir: str,
     losses: list[str],
     lags: list[int],
-    seeds: int,
+    seeds: range,
     steps: int,
     jobs: int,
     overrides: dict,
@@ -424,7 +424,7 @@ def bench_staleness(
     """Every (loss, lag, seed) run, ``jobs`` at a time in separate processes."""
     tasks = [
         (model_dir, loss, lag, seed, steps, overrides)
-        for seed in range(seeds)
+        for seed in seeds
         for loss in losses
         for lag in lags
     ]
@@ -651,6 +651,7 @@ def main() -> None:
     parser.add_argument("--lags", default="0,1,2,4,8", help="staleness: versions behind, d")
     parser.add_argument("--losses", default="tb", help="staleness: comma list of losses")
     parser.add_argument("--stale_seeds", type=int, default=3, help="staleness: seeds per setting")
+    parser.add_argument("--stale_first_seed", type=int, default=0, help="staleness: the first seed")
     parser.add_argument("--stale_steps", type=int, default=400, help="staleness: steps per run")
     parser.add_argument("--jobs", type=int, default=2, help="staleness: runs at a time")
     parser.add_argument(
@@ -705,11 +706,12 @@ def main() -> None:
             print_time_to_accuracy(res)
         if "staleness" in sections:
             lags = [0, 2] if args.quick else [int(d) for d in args.lags.split(",")]
+            first_seed = args.stale_first_seed
             res["staleness"] = bench_staleness(
                 model_dir,
                 losses=args.losses.split(","),
                 lags=lags,
-                seeds=1 if args.quick else args.stale_seeds,
+                seeds=range(1) if args.quick else range(first_seed, first_seed + args.stale_seeds),
                 steps=4 if args.quick else args.stale_steps,
                 jobs=args.jobs,
                 overrides=overrides,
