@@ -70,6 +70,16 @@ Deviations from the official code, with reasons
   * Log-softmax runs in fp32 (``token_logprobs`` says why); the official code runs it in bf16.
   * A prompt runs once, its KV cache shared by its K responses (``group_logprobs``): exact.
   * Searchers shuffle their prompt shard each pass (seeded); the official ones walk it in order.
+  * Searchers start, and size their engines' memory, before the trainer loads its model, and
+    generate nothing before the first publish: on one shared GPU vLLM sizes its KV cache from
+    the memory free at its start.
+
+Options beyond the paper, off in its preset, each one flag (README, "Why TB for asynchrony"):
+  * max_train_lag: a bound on the age of everything a step trains on (3). The released run
+    bounds only the newest data (its barrier) and replays from the whole buffer.
+  * tb_residual_bound: each sample's residual log Z + d_i counts linearly beyond the bound
+    (Huber), which bounds the pull of a stale sample the policy has moved far from. The loss
+    is still zero exactly at the target, so the optimum does not move.
 """
 
 from __future__ import annotations
