@@ -1261,17 +1261,8 @@ def test_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
         ]
         for p in range(4)
     ]
-    cfg = dict(
-        model=tiny_model_dir,
-        dtype="float32",
-        trainer_device="cpu",
-        searcher_devices="cpu",
-        num_searchers=1,
-        num_generations=3,
-        responses_per_prompt=3,
-        prompts_per_step=4,
-    )
-    trainer = Trainer(TBAConfig(**cfg), torch.device("cpu"), pad_id=0, eos_id=1)
+    cfg = dict(num_generations=3, responses_per_prompt=3, prompts_per_step=4)
+    trainer = Trainer(cpu_config(tiny_model_dir, **cfg), torch.device("cpu"), pad_id=0, eos_id=1)
     flat = [t for g in groups for t in g]
     logp = group_logprobs(
         trainer.model,
@@ -1291,7 +1282,7 @@ def test_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
     )
     want_grads = torch.autograd.grad(want_loss, list(trainer.model.parameters()))
     for size in (3, 7, 12, 0):
-        trainer.cfg = TBAConfig(**cfg, micro_batch_size=size)
+        trainer.cfg = cpu_config(tiny_model_dir, **cfg, micro_batch_size=size)
         trainer.model.zero_grad(set_to_none=True)
         metrics = trainer.backward(groups, 0.05)
         assert metrics["loss/tb"] == pytest.approx(want_loss.item(), rel=1e-5)
@@ -1301,19 +1292,9 @@ def test_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
 
 
 def grpo_trainer(model_dir: str, **overrides) -> Trainer:
-    values = dict(
-        model=model_dir,
-        dtype="float32",
-        trainer_device="cpu",
-        searcher_devices="cpu",
-        num_searchers=1,
-        num_generations=3,
-        responses_per_prompt=3,
-        prompts_per_step=4,
-        loss="grpo",
-    )
+    values = dict(num_generations=3, responses_per_prompt=3, prompts_per_step=4, loss="grpo")
     values.update(overrides)
-    return Trainer(TBAConfig(**values), torch.device("cpu"), pad_id=0, eos_id=1)
+    return Trainer(cpu_config(model_dir, **values), torch.device("cpu"), pad_id=0, eos_id=1)
 
 
 def test_grpo_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
@@ -1666,6 +1647,28 @@ def test_bad_data_files_fail_before_any_process_starts(tmp_path, content, match)
         read_gsm8k_jsonl(tmp_path / "test.jsonl")
 
 
+def cpu_main_args(preset: str, model_dir: str, data_dir: Path, *extra: str) -> list[str]:
+    """run_gsm8k.main's arguments for ``preset`` on this CPU: one searcher, data and output in
+    ``data_dir``."""
+    return [
+        "--preset",
+        preset,
+        "--model",
+        model_dir,
+        "--data_dir",
+        str(data_dir),
+        "--trainer_device",
+        "cpu",
+        "--searcher_devices",
+        "cpu",
+        "--num_searchers",
+        "1",
+        "--output_dir",
+        str(data_dir / "out"),
+        *extra,
+    ]
+
+
 def test_prompt_longer_than_context_fails_before_any_process_starts(tiny_model_dir, tmp_path):
 
     good = '{"question": "What is 1 + 1?", "answer": "1 + 1 = 2\\n#### 2"}\n'
@@ -1674,26 +1677,7 @@ def test_prompt_longer_than_context_fails_before_any_process_starts(tiny_model_d
     with pytest.raises(
         ValueError, match=r"test example 0: prompt of .* exceeds the model context of 256"
     ):
-        main(
-            [
-                "--preset",
-                "paper",
-                "--model",
-                tiny_model_dir,
-                "--data_dir",
-                str(tmp_path),
-                "--trainer_device",
-                "cpu",
-                "--searcher_devices",
-                "cpu",
-                "--num_searchers",
-                "1",
-                "--max_new_tokens",
-                "20",
-                "--output_dir",
-                str(tmp_path / "out"),
-            ]
-        )
+        main(cpu_main_args("paper", tiny_model_dir, tmp_path, "--max_new_tokens", "20"))
     assert child_pids() == []
 
 
@@ -1711,28 +1695,17 @@ def test_smoke_preset_reports_step_time_memory_mop_and_lag(tiny_model_dir, tmp_p
     (tmp_path / "test.jsonl").write_text(rows)
     with time_limit(240):
         results = main(
-            [
-                "--preset",
+            cpu_main_args(
                 "smoke",
-                "--model",
                 tiny_model_dir,
-                "--data_dir",
-                str(tmp_path),
-                "--trainer_device",
-                "cpu",
-                "--searcher_devices",
-                "cpu",
-                "--num_searchers",
-                "1",
+                tmp_path,
                 "--max_new_tokens",
                 "8",
                 "--initial_samples",
                 "48",
                 "--torch_threads",
                 "1",
-                "--output_dir",
-                str(tmp_path / "out"),
-            ]
+            )
         )
     summary = results["summary"]
     assert summary["steps"] == 10 and summary["seconds_per_step_median"] > 0

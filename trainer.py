@@ -152,6 +152,27 @@ class Trainer:
             return max(1, cfg.micro_batch_size // cfg.responses_per_prompt)
         return num_groups
 
+    def score(self, groups: list[list[Trajectory]], per_token: bool):
+        """log pi of the groups' responses with gradients, by the scoring rule the searchers
+        used for log p_ref (temperature, EOS): (P, K) sums, or with ``per_token`` the (B, T)
+        token log-probs and their mask (``tba.group_token_logprobs``)."""
+        cfg = self.cfg
+        prompts = [group[0].prompt_tokens for group in groups]
+        responses = [[t.response_tokens for t in group] for group in groups]
+        scorer = group_token_logprobs if per_token else group_logprobs
+        with self.autocast:
+            return scorer(
+                self.model,
+                prompts,
+                responses,
+                pad_id=self.pad_id,
+                eos_id=self.eos_id,
+                temperature=cfg.logprob_temperature(),
+                include_eos=cfg.eos_in_logprob,
+                share_prompt=not cfg.gradient_checkpointing,
+                device=self.device,
+            )
+
     def tb_backward(self, groups: list[list[Trajectory]], beta: float) -> dict[str, float]:
         """tb_loss, in passes of ``groups_per_pass``. log Z is per prompt, so the passes' losses
         weighted by their share of the P groups sum to tb_loss on the whole batch, exactly."""
@@ -162,20 +183,7 @@ class Trainer:
         logp_sum = 0.0
         for first in range(0, len(groups), per_pass):
             chunk = groups[first : first + per_pass]
-            prompts = [group[0].prompt_tokens for group in chunk]
-            responses = [[t.response_tokens for t in group] for group in chunk]
-            with self.autocast:
-                logp = group_logprobs(
-                    self.model,
-                    prompts,
-                    responses,
-                    pad_id=self.pad_id,
-                    eos_id=self.eos_id,
-                    temperature=cfg.logprob_temperature(),
-                    include_eos=cfg.eos_in_logprob,
-                    share_prompt=not cfg.gradient_checkpointing,
-                    device=self.device,
-                )
+            logp = self.score(chunk, per_token=False)
             ref = torch.tensor([[t.ref_logprob for t in g] for g in chunk], device=self.device)
             reward = torch.tensor([[t.reward for t in g] for g in chunk], device=self.device)
             loss = tb_loss(logp, ref, reward, beta, cfg.tb_residual_bound)
@@ -212,18 +220,7 @@ class Trainer:
         for first in range(0, len(groups), per_pass):
             chunk = groups[first : first + per_pass]
             flat = [t for g in chunk for t in g]
-            with self.autocast:
-                logp, mask = group_token_logprobs(
-                    self.model,
-                    [g[0].prompt_tokens for g in chunk],
-                    [[t.response_tokens for t in g] for g in chunk],
-                    pad_id=self.pad_id,
-                    eos_id=self.eos_id,
-                    temperature=cfg.logprob_temperature(),
-                    include_eos=cfg.eos_in_logprob,
-                    share_prompt=not cfg.gradient_checkpointing,
-                    device=self.device,
-                )
+            logp, mask = self.score(chunk, per_token=True)
             for t, n in zip(flat, mask.sum(1).tolist(), strict=True):
                 if len(t.logprobs) != n or len(t.ref_token_logprobs) != n:
                     raise ValueError(
