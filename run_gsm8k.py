@@ -60,7 +60,8 @@ SMOKE_PRESET: dict = dict(
 # Offline CPU run: a tiny Llama warm-started on synthetic sums, then TBA with 1 searcher. Tuned
 # for time to accuracy on a 2-core CPU (README, "How the tiny preset was tuned"): publishing every
 # step, and training only on data at most one version old, which the staleness experiment found
-# free per step (README, "Why TB for asynchrony"), while searcher and trainer still overlap.
+# free per step (README, "Why TB for asynchrony, measured"), while searcher and trainer still
+# overlap.
 TINY_PRESET: dict = dict(
     model="",
     dtype="float32",

@@ -23,9 +23,9 @@ The algorithm (the main loops in the code are labelled with these numbers)
   3. Each step samples P groups of K trajectories. With probability m a group is MOP: a prompt
      refreshed since the latest publish (or one of the P most recently refreshed) with its
      newest items; else any prompt, items drawn by softmax(r * inv_temp). Stale data is fine:
-     the TB optimum does not depend on where the samples came from. Optionally (max_train_lag)
-     only items at most that many versions behind are eligible: the optimum does not move, but
-     the variance of a step does (README, "Why TB for asynchrony").
+     the TB optimum does not depend on where the samples came from. The path to it does: on
+     the tiny task TB is free one version behind and collapses from four (README, "Why TB for
+     asynchrony, measured"), so max_train_lag can bound the age of every item a step draws.
   4. It recomputes log pi(y|x) with gradients and takes an AdamW step on the loss (--loss):
      tb (the paper), the VarGrad TB loss (Eq. 5): d_i = log pi(y_i|x) - log p_ref(y_i|x) -
      r(x, y_i) / beta, log Z = -mean_i d_i (detached), L = mean over the P prompts and their K
@@ -74,7 +74,8 @@ Deviations from the official code, with reasons
     generate nothing before the first publish: on one shared GPU vLLM sizes its KV cache from
     the memory free at its start.
 
-Options beyond the paper, off in its preset, each one flag (README, "Why TB for asynchrony"):
+Options beyond the paper, off in its preset, each one flag (README, "Why TB for asynchrony,
+measured"):
   * max_train_lag: a bound on the age of everything a step trains on (3). The released run
     bounds only the newest data (its barrier) and replays from the whole buffer.
   * tb_residual_bound: each sample's residual log Z + d_i counts linearly beyond the bound
