@@ -125,10 +125,14 @@ class ReplayBuffer:
         self._mop_drawn.clear()
         self._mop_since_sync.clear()
 
-    def mop_prompts(self, at_least: int, min_version: int | None = None) -> list[Hashable]:
+    def mop_prompts(
+        self, at_least: int, min_version: int | None = None, eligible: list | None = None
+    ) -> list[Hashable]:
         """Prompts refreshed since the latest sync, or the ``at_least`` most recently refreshed
-        ones when fewer were; with ``min_version``, only prompts holding items that new."""
-        eligible = [pid for pid in self.groups if self._holds_version(pid, min_version)]
+        ones when fewer were; with ``min_version``, only prompts holding items that new
+        (``eligible``, in refresh order, when the caller has listed them already)."""
+        if eligible is None:
+            eligible = [pid for pid in self.groups if self._holds_version(pid, min_version)]
         fresh = [pid for pid in eligible if pid in self._fresh]
         if len(fresh) >= at_least:
             return fresh
@@ -198,7 +202,7 @@ class ReplayBuffer:
                 f"buffer{since}"
             )
         oldest = -math.inf if min_version is None else min_version
-        mop = self.mop_prompts(num_prompts, min_version)
+        mop = self.mop_prompts(num_prompts, min_version, everyone)
         batch = []
         is_mop = []
         chosen = set()

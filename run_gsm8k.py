@@ -62,14 +62,22 @@ SMOKE_PRESET: dict = dict(
 # step, and training only on data at most one version old, which the staleness experiment found
 # free per step (README, "Why TB for asynchrony, measured"), while searcher and trainer still
 # overlap.
-TINY_PRESET: dict = dict(
-    model="",
+# One CPU: fp32, trainer and searcher on ``cpu``, the transformers engine (vLLM eager where it
+# is chosen: compiling costs start-up and gains a CPU no speed), shared-memory weights, and one
+# torch thread per process (tiny ops: a 2nd thread only spins, and slows badly when a core is busy).
+CPU_VALUES: dict = dict(
     dtype="float32",
-    num_searchers=1,
-    searcher_devices="cpu",
     trainer_device="cpu",
+    searcher_devices="cpu",
     engine="hf",
+    vllm_compile=False,
     weight_store="shared_memory",
+    num_searchers=1,
+    torch_threads=1,
+)
+TINY_PRESET: dict = dict(
+    CPU_VALUES,
+    model="",
     num_generations=8,
     responses_per_prompt=8,
     prompts_per_step=16,
@@ -102,8 +110,6 @@ TINY_PRESET: dict = dict(
     eval_batch_size=100,
     checkpoint_every=100,  # four a run: a checkpoint costs several steps' time here
     timeout_s=300.0,
-    torch_threads=1,  # tiny ops: a 2nd thread only spins, and slows badly when a core is busy
-    vllm_compile=False,  # with --engine vllm: compiling costs start-up, and a CPU gains no speed
 )
 TINY_DATA = dict(train=4000, test=200, digits=2)  # synthetic problems (train / held-out test)
 TINY_MODEL = dict(hidden=64, layers=2, heads=2)  # tiny Llama over the char vocabulary
@@ -205,20 +211,8 @@ def tiny_task() -> tuple[list[dict], list[dict], list[dict]]:
 
 
 def cpu_config(model: str, **overrides) -> TBAConfig:
-    """A TBAConfig for one CPU: fp32, trainer and searchers on ``cpu``, the transformers engine
-    (vLLM eager where chosen), shared-memory weights, one thread per process; ``overrides`` set
-    any other field."""
-    values = dict(
-        model=model,
-        dtype="float32",
-        trainer_device="cpu",
-        searcher_devices="cpu",
-        engine="hf",
-        vllm_compile=False,
-        weight_store="shared_memory",
-        num_searchers=1,
-        torch_threads=1,
-    )
+    """A TBAConfig of ``CPU_VALUES`` for ``model``; ``overrides`` set any other field."""
+    values = dict(CPU_VALUES, model=model)
     values.update(overrides)
     return TBAConfig(**values)
 
