@@ -13,6 +13,11 @@ A reward is any picklable callable ``reward(completion: str, example: dict) -> f
 
 It must be picklable (a module-level function, or an object whose state is picklable) because
 searchers are started with the ``spawn`` method and receive the reward by pickling.
+
+A reward that runs models (a reward model, a victim and a classifier) should score a whole
+generate call at once: give it a method ``batch(completions: list[str], examples: list[dict])
+-> list[float]`` (one example per completion, in order), and the searcher calls that once per
+batch instead of the callable once per completion. Both must give the same numbers.
 """
 
 from __future__ import annotations
@@ -136,14 +141,18 @@ class RewardModelReward:
         )
 
     def __call__(self, completion: str, example: dict) -> float:
+        return self.batch([completion], [example])[0]
+
+    def batch(self, completions: list[str], examples: list[dict]) -> list[float]:
+        """Scores of many completions in one padded forward pass (the batched plug-in)."""
         import torch
 
         if self._model is None:
             self._load()
-        text = example[self.prompt_key] + completion
+        texts = [ex[self.prompt_key] + c for c, ex in zip(completions, examples, strict=True)]
         batch = self._tokenizer(
-            text, return_tensors="pt", truncation=True, max_length=self.max_length
+            texts, return_tensors="pt", padding=True, truncation=True, max_length=self.max_length
         ).to(self.device)
         with torch.no_grad():
             logits = self._model(**batch).logits
-        return float(logits[0, self.label_index].float())
+        return logits[:, self.label_index].float().tolist()

@@ -644,20 +644,36 @@ class Searcher:
         return picked
 
     def rewards(self, batch: list[int], outputs: list[list[list[int]]]) -> list[list[float]]:
-        """1c. r(x, y) of every response; a reward that is not a finite number stops the run."""
+        """1c. r(x, y) of every response: by the reward's ``batch`` method in one call when it
+        has one (rewards.py), else one call per response. A reward that is not a finite number
+        stops the run."""
+        examples = [
+            self.examples[idx] for idx, samples in zip(batch, outputs, strict=True) for _ in samples
+        ]
+        texts = [
+            self.tokenizer.decode(tokens, skip_special_tokens=True)
+            for samples in outputs
+            for tokens in samples
+        ]
+        if hasattr(self.reward_fn, "batch"):
+            flat = list(self.reward_fn.batch(texts, examples))
+            if len(flat) != len(texts):
+                raise ValueError(
+                    f"searcher {self.rank}: reward.batch returned {len(flat)} rewards for "
+                    f"{len(texts)} completions"
+                )
+        else:
+            flat = [self.reward_fn(text, ex) for text, ex in zip(texts, examples, strict=True)]
+        for value, text, ex in zip(flat, texts, examples, strict=True):
+            if not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(
+                    f"searcher {self.rank}: reward {value!r} for prompt id {ex['id']!r} "
+                    f"is not a finite number (completion {text[:80]!r})"
+                )
         rewards = []
-        for idx, samples in zip(batch, outputs, strict=True):
-            ex, row = self.examples[idx], []
-            for tokens in samples:
-                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                value = self.reward_fn(text, ex)
-                if not isinstance(value, numbers.Real) or not math.isfinite(value):
-                    raise ValueError(
-                        f"searcher {self.rank}: reward {value!r} for prompt id {ex['id']!r} "
-                        f"is not a finite number (completion {text[:80]!r})"
-                    )
-                row.append(float(value))
-            rewards.append(row)
+        for samples in outputs:
+            rewards.append([float(value) for value in flat[: len(samples)]])
+            flat = flat[len(samples) :]
         return rewards
 
     @torch.no_grad()

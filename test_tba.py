@@ -965,6 +965,35 @@ def test_searcher_takes_any_real_number_as_a_reward_and_names_the_prompt_of_a_ba
             Searcher.rewards(stub, [0], [[[10, 11]]])
 
 
+class CountingBatchReward:
+    """A batched reward: the length of each completion, plus a count of calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, completion, example):
+        raise AssertionError("a reward with .batch must be called once per generate call")
+
+    def batch(self, completions, examples):
+        self.calls += 1
+        return [len(c) + ex["id"] for c, ex in zip(completions, examples, strict=True)]
+
+
+def test_searcher_scores_a_batched_reward_in_one_call_in_order():
+    tok = build_char_tokenizer()
+    ids = tok("12")["input_ids"], tok("345")["input_ids"], tok("6")["input_ids"]
+    reward = CountingBatchReward()
+    stub = types.SimpleNamespace(
+        examples=[{"id": 0}, {"id": 100}], tokenizer=tok, rank=0, reward_fn=reward
+    )
+    got = Searcher.rewards(stub, [1, 0], [[ids[0], ids[1]], [ids[2]]])
+    assert got == [[102.0, 103.0], [1.0]]
+    assert reward.calls == 1
+    reward.batch = lambda completions, examples: [0.0]  # one short: loud
+    with pytest.raises(ValueError, match="returned 1 rewards for 3 completions"):
+        Searcher.rewards(stub, [1, 0], [[ids[0], ids[1]], [ids[2]]])
+
+
 def test_reward_model_reward_with_tiny_classifier(tmp_path):
 
     tok = build_char_tokenizer()
@@ -987,6 +1016,8 @@ def test_reward_model_reward_with_tiny_classifier(tmp_path):
     b = reward(" 12 + 3 = 16", {"prompt": "Q: 12 + 3?"})
     assert isinstance(a, float) and math.isfinite(a) and a != b
     assert reward(" 12 + 3 = 15", {"prompt": "Q: 12 + 3?"}) == a
+    both = reward.batch([" 12 + 3 = 15", " 1"], [{"prompt": "Q: 12 + 3?"}] * 2)
+    assert both[0] == pytest.approx(a, abs=1e-5)  # padded in a batch, the same score
     assert pickle.loads(pickle.dumps(reward))._model is None  # weights never pickled
 
 
