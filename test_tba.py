@@ -7,6 +7,7 @@ installed; the CUDA test skips without a GPU.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import importlib.util
@@ -2475,3 +2476,124 @@ def test_two_data_parallel_ranks_equal_one_rank(tiny_model_dir):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
             for a, b in zip(mine["weights"], want_case["weights"], strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def start_dp_run(model_dir: str, out: Path, *extra: str) -> subprocess.Popen:
+    """The tiny main job under torchrun with 2 data-parallel ranks (gloo on loopback) in its own
+    session; its output goes to out/run.log."""
+    out.mkdir(parents=True, exist_ok=True)
+    args = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(REPO / "run_gsm8k.py"),
+        "--preset",
+        "tiny",
+        "--model",
+        model_dir,
+        "--output_dir",
+        str(out),
+        "--eval_every",
+        "0",
+        "--eval_samples",
+        "0",
+        "--eval_test_size",
+        "4",
+        "--eval_subset",
+        "4",
+        "--prompts_per_step",
+        "3",
+        "--searcher_batch_prompts",
+        "4",
+        "--num_generations",
+        "4",
+        "--responses_per_prompt",
+        "4",
+        "--initial_samples",
+        "16",
+        "--max_new_tokens",
+        "12",
+        "--torch_threads",
+        "1",
+        "--timeout_s",
+        "60",
+        *extra,
+    ]
+    with open(out / "run.log", "a") as log:
+        return subprocess.Popen(
+            args, cwd=REPO, start_new_session=True, stdout=log, stderr=subprocess.STDOUT
+        )
+
+
+def data_parallel_rank(pid: int) -> int | None:
+    """torchrun's RANK of a process of the main job (not of its searchers), else None."""
+    with contextlib.suppress(OSError):
+        if "run_gsm8k.py" in Path(f"/proc/{pid}/cmdline").read_text():
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            ranks = [int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK=")]
+            return ranks[0] if ranks else None
+    return None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, zombies aside."""
+    children = collections.defaultdict(list)
+    for child, fields, _ in proc_stats():
+        if fields[0] != "Z":
+            children[int(fields[1])].append(child)
+    found, todo = [], [pid]
+    while todo:
+        below = children[todo.pop()]
+        found += below
+        todo += below
+    return sorted(found)
+
+
+def living(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that still run (not zombies)."""
+    alive = {pid for pid, fields, _ in proc_stats() if fields[0] != "Z"}
+    return [pid for pid in pids if pid in alive]
+
+
+@pytest.mark.slow
+def test_killed_data_parallel_rank_stops_the_run_with_a_checkpoint_and_resume_continues(
+    tiny_model_dir, tmp_path
+):
+    """SIGKILL of rank 1 of 2: rank 0 writes its checkpoint and fails naming rank 1, every
+    process of the run exits, and --resume on 2 ranks continues from the checkpoint."""
+    with time_limit(150):
+        proc = start_dp_run(tiny_model_dir, tmp_path, "--total_steps", "100000")
+        run = []
+        try:
+            wait_for_rows(tmp_path, 3, proc, timeout=60)
+            run = descendants(proc.pid)  # torchrun starts each rank in a session of its own
+            (rank1,) = [p for p in run if data_parallel_rank(p) == 1]
+            os.kill(rank1, signal.SIGKILL)
+            proc.wait(timeout=30)  # torchrun's SIGKILL of the rest comes 30 s after its SIGTERM
+            deadline = time.monotonic() + 10
+            while living(run) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert living(run) == [], "a process of the run outlived the failure"
+        finally:
+            for pid in living([*run, *descendants(proc.pid), proc.pid]):
+                os.kill(pid, signal.SIGKILL)
+        log = (tmp_path / "run.log").read_text()
+        assert proc.returncode != 0
+        assert "data parallel, rank 0" in log and "rank 1 died" in log, log[-3000:]
+        step = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["trainer"]["step"]
+        assert step >= 3
+
+        proc = start_dp_run(tiny_model_dir, tmp_path, "--total_steps", str(step + 2), "--resume")
+        try:
+            assert proc.wait(timeout=90) == 0, (tmp_path / "run.log").read_text()[-3000:]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, step + 3))
+        assert json.loads((tmp_path / "results.json").read_text())["steps"] == step + 2

@@ -149,7 +149,7 @@ class DataParallel:
         """Rank 0: hand ``message`` to every other rank."""
         try:
             dist.broadcast_object_list([message], src=0, device=self._object_device())
-        except dist.DistError as e:
+        except RuntimeError as e:  # gloo raises RuntimeError, NCCL DistError (a subclass)
             raise self.failed("handing out work", e) from e
 
     def receive(self):
@@ -157,7 +157,7 @@ class DataParallel:
         box = [None]
         try:
             dist.broadcast_object_list(box, src=0, device=self._object_device())
-        except dist.DistError as e:
+        except RuntimeError as e:
             raise self.failed("waiting for work", e) from e
         return box[0]
 
@@ -177,12 +177,38 @@ class DataParallel:
         total = torch.tensor(values, dtype=torch.float64, device=self.device)
         try:
             dist.all_reduce(total)
-        except dist.DistError as e:
+        except RuntimeError as e:
             raise self.failed("summing metrics", e) from e
         return total.tolist()
 
+    def check_same(self, trainer: Trainer) -> None:
+        """Raise unless every rank starts from the same step and weights (a resumed rank that
+        found no checkpoint, on a file system the ranks do not share, would not)."""
+        with torch.no_grad():
+            checksum = sum(p.double().sum().item() for p in trainer.model.parameters())
+        mine = torch.tensor([trainer.step, checksum], dtype=torch.float64, device=self.device)
+        low, high = mine.clone(), mine.clone()
+        try:
+            dist.all_reduce(low, dist.ReduceOp.MIN)
+            dist.all_reduce(high, dist.ReduceOp.MAX)
+        except RuntimeError as e:
+            raise self.failed("comparing the ranks' weights", e) from e
+        if not torch.equal(low, high):
+            raise DataParallelFailed(
+                f"data parallel, rank {self.rank}: the ranks start from different steps or "
+                f"weights (step {trainer.step}, weights sum {checksum}; the ranks range over "
+                f"{low.tolist()} to {high.tolist()}): output_dir must be one directory that every "
+                "rank reads (--resume)"
+            )
+
     def _object_device(self) -> torch.device | None:
         return self.device if self.device.type == "cuda" else None
+
+
+def is_collective_error(error: RuntimeError) -> bool:
+    """Whether ``error`` is a failed collective: DistError (NCCL, timeouts), or gloo's
+    RuntimeError, which names its source file."""
+    return isinstance(error, dist.DistError) or "gloo" in str(error)
 
 
 def rank_device(trainer_device: str, local_rank: int) -> torch.device:
@@ -477,8 +503,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         try:
             metrics = self.backward(groups, beta)
-        except dist.DistError as e:
-            if self.dp is None:
+        except RuntimeError as e:
+            if self.dp is None or not is_collective_error(e):
                 raise
             raise self.dp.failed(f"the gradient reduction of step {self.step}", e) from e
         if cfg.loss == "tb":  # GRPO has no beta (its KL weight is grpo_kl_coef)
@@ -770,6 +796,8 @@ def run_tba(
         if dp is not None:
             dp.send("start")  # the other ranks load their trainers beside this one
         trainer = _load_trainer(cfg, device, tokenizer, probe, ckpt_path, metrics_path, dp)
+        if dp is not None:
+            dp.check_same(trainer)
         trainer.publish(store)  # the first version: searchers wait for it before generating
         started = time.time()  # wall_time counts training, not start-up
         bar = tqdm(
@@ -827,12 +855,16 @@ def run_tba(
         if bar is not None:
             bar.close()
         for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)
+            # Data parallel: torchrun ends every rank with SIGTERM once one has failed, and
+            # SIGKILL 30 s later; the checkpoint is written first.
+            signal.signal(sig, signal.SIG_IGN if dp is not None else handler)
         pool.stop()  # children first: every process of the run is gone before the save
         if trainer is not None:
             trainer.save(ckpt_path)
         if dp is not None:
             stop_followers(dp)
+            for sig, handler in old_handlers.items():
+                signal.signal(sig, handler)
     return trainer
 
 
@@ -846,6 +878,7 @@ def follow_rank0(cfg: TBAConfig, dp: DataParallel, tokenizer) -> Trainer | None:
     ckpt_path = Path(cfg.output_dir) / "checkpoint.pt"
     if cfg.resume and ckpt_path.exists():
         trainer.load(ckpt_path)
+    dp.check_same(trainer)
     while (groups := dp.receive()) is not None:
         trainer.update(groups)
     return trainer
