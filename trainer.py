@@ -126,6 +126,7 @@ class DataParallel:
         return range(start, start + size + (self.rank < extra))
 
     def check(self, cfg: TBAConfig) -> None:
+        """Every rank needs at least one whole group a step."""
         if cfg.prompts_per_step < self.world_size:
             raise ValueError(
                 f"data parallel: prompts_per_step ({cfg.prompts_per_step}) must be at least the "
@@ -274,7 +275,8 @@ class Trainer:
             self.model.gradient_checkpointing_enable()
         self.model.train()
         # Data parallel: the forward runs through DDP, which averages the gradients over the
-        # ranks at the backward of each step's last pass; ``self.model`` stays the bare model.
+        # ranks at the backward of each step's last pass (``passes`` scales the losses so that
+        # the average is the whole batch's gradient); ``self.model`` stays the bare model.
         self.dp = dp
         self.ddp = None
         if dp is not None:
