@@ -18,6 +18,9 @@ engines            vLLM against the transformers engine on this CPU, on a Llama 
                    millions of parameters with 128-token responses: tokens/s and weight-load time.
 publish            a trainer publish plus a searcher's load (another process, shared memory or
                    CUDA IPC) over a raw copy of the same bytes.
+data_parallel      trainer steps/s of 1 and of 2 data-parallel ranks (torchrun's environment, gloo
+                   on loopback, one thread each) on one fixed batch, no searchers: rank 0 hands
+                   out the groups, each rank scores its share, DDP sums the gradients.
 machine            versions, cores, and how much two processes gain over one right now (2.0 on
                    two idle cores): asynchrony overlaps two processes, so it needs that gain.
 """
@@ -32,6 +35,7 @@ import importlib.util
 import json
 import os
 import platform
+import socket
 import statistics
 import sys
 import tempfile
@@ -42,6 +46,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from buffer import Trajectory
 from rewards import gsm8k_reward
 from run_gsm8k import (
     TINY_PRESET,
@@ -55,7 +60,7 @@ from run_gsm8k import (
 )
 from searcher import HFEngine, Searcher, SearcherSetup, VLLMEngine
 from tba import TBAConfig, WeightStore, pad_token_id
-from trainer import Trainer, run_tba
+from trainer import DataParallel, Trainer, run_tba
 
 THRESHOLDS = (0.85, 0.90, 0.95)
 WINDOW_S = 30  # accuracy averaged over windows of this many seconds
@@ -576,6 +581,109 @@ def bench_publish(reps: int, device: str = "cpu", model_kwargs: dict = LLAMA_110
     }
 
 
+# ----------------------------------------------------------------------------- data parallel
+
+DP_MODEL = dict(hidden=256, layers=4, heads=4)  # over the char vocabulary
+DP_BATCH = dict(prompts=8, responses=8, prompt_tokens=48, response_tokens=32)
+
+
+def fixed_batch(prompts: int, responses: int, prompt_tokens: int, response_tokens: int):
+    """P groups of K trajectories of random characters: one step's batch."""
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(4, 60, (n,), generator=gen).tolist()
+
+    return [
+        [
+            Trajectory(p, tokens(prompt_tokens), tokens(response_tokens), float(k % 2), -50.0, 0)
+            for k in range(responses)
+        ]
+        for p in range(prompts)
+    ]
+
+
+def _dp_rank(rank: int, world: int, port: int, model_dir: str, steps: int, out_q) -> None:
+    """One trainer rank: ``steps`` updates on the fixed batch, rank 0 handing it out each step
+    (as run_tba does); rank 0 reports steps/s after one warm-up step."""
+    if world > 1:
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+    torch.set_num_threads(1)
+    groups = fixed_batch(**DP_BATCH)
+    cfg = cpu_config(
+        model_dir,
+        num_generations=DP_BATCH["responses"],
+        responses_per_prompt=DP_BATCH["responses"],
+        prompts_per_step=DP_BATCH["prompts"],
+        micro_batch_size=0,
+    )
+    dp = DataParallel.from_env("cpu", timeout_s=300)
+    trainer = Trainer(cfg, torch.device("cpu"), pad_id=0, eos_id=1, dp=dp)
+    t0 = time.perf_counter()
+    for step in range(steps + 1):
+        if step == 1:
+            t0 = time.perf_counter()
+        if dp is not None and rank == 0:
+            dp.send(groups)
+        elif dp is not None:
+            groups = dp.receive()
+        trainer.update(groups)
+    if rank == 0:
+        out_q.put(steps / (time.perf_counter() - t0))
+    if dp is not None:
+        dp.close()
+
+
+def dp_steps_per_s(model_dir: str, world: int, steps: int) -> float:
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [
+        ctx.Process(target=_dp_rank, args=(rank, world, port, model_dir, steps, out_q))
+        for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        return out_q.get(timeout=600)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def bench_data_parallel(root: str, reps: int, steps: int) -> dict:
+    """Steps/s of 1 and 2 ranks on the same batch, alternated ``reps`` times (drift in the
+    machine hits both); their ratio beside two processes' gain over one (2.0 on idle cores)."""
+    model_dir = save_tiny_model(Path(root) / "dp_model", **DP_MODEL)
+    rates: dict[int, list[float]] = {1: [], 2: []}
+    for rep in range(reps):
+        for world in (1, 2):
+            rates[world].append(dp_steps_per_s(model_dir, world, steps))
+            log(f"data parallel: {world} rank(s), rep {rep}: {rates[world][-1]:.2f} steps/s")
+    ratios = [two / one for one, two in zip(rates[1], rates[2], strict=True)]
+    return {
+        "steps_per_s_1_rank": statistics.median(rates[1]),
+        "steps_per_s_2_ranks": statistics.median(rates[2]),
+        "two_over_one": statistics.median(ratios),
+        "two_over_one_range": [min(ratios), max(ratios)],
+        "parallel_speedup": parallel_speedup(3.0),
+        "reps": reps,
+        "steps": steps,
+        "model": DP_MODEL,
+        "batch": DP_BATCH,
+    }
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -644,7 +752,7 @@ def main() -> None:
     parser.add_argument(
         "--sections",
         default="time_to_accuracy,staleness,engines,publish",
-        help="comma list of the sections to run",
+        help="comma list of the sections to run (also: data_parallel)",
     )
     parser.add_argument("--seeds", type=int, default=3, help="seeds per mode for time to accuracy")
     parser.add_argument("--budget", type=float, default=120.0, help="seconds of training per run")
@@ -686,9 +794,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tba_bench_models_") as root:
         if args.quick:  # an untrained model: the code paths, not the learning
             model_dir = save_tiny_model(Path(root) / "random")
-        else:
+        elif {"time_to_accuracy", "staleness"} & set(sections):
             train, _, val = tiny_task()
             model_dir = tiny_warm_start(Path(args.warm_start), train, val, seed=0)
+        if "data_parallel" in sections:
+            log("data parallel")
+            res["data_parallel"] = bench_data_parallel(
+                root, reps=1 if args.quick else 3, steps=2 if args.quick else 10
+            )
+            dp = res["data_parallel"]
+            print(
+                f"data parallel: {dp['steps_per_s_1_rank']:.2f} steps/s on 1 rank, "
+                f"{dp['steps_per_s_2_ranks']:.2f} on 2 ranks ({dp['two_over_one']:.2f}x, range "
+                f"{dp['two_over_one_range'][0]:.2f}-{dp['two_over_one_range'][1]:.2f}); two "
+                f"processes over one on this machine: {dp['parallel_speedup']:.2f}"
+            )
         if "time_to_accuracy" in sections:
             runs = []
             for seed in range(seeds):

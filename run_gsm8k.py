@@ -37,7 +37,7 @@ from tba import (
     pad_token_id,
     sequence_logprobs,
 )
-from trainer import run_tba
+from trainer import DataParallel, run_tba
 
 PROMPT_TEMPLATE = "[MATH TASK] Problem:\n{question}\n\nSolution:\n"  # official TBA/VinePPO format
 
@@ -547,11 +547,23 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(
         args.torch_threads or base.get("torch_threads") or torch.get_num_threads()
     )
+    # Under torchrun, a data-parallel trainer: rank 0 does all of this job, ranks > 0 only train.
+    early = config_from_args(args, base)
+    dp = DataParallel.from_env(early.trainer_device, early.timeout_s)
     if preset == "tiny":
         out_dir = Path(args.output_dir or base["output_dir"])
         train, test, val = tiny_task()
-        base["model"] = args.model or tiny_warm_start(out_dir, train, val, seed=args.seed or 0)
+        model = args.model
+        if not model and (dp is None or dp.rank == 0):
+            model = tiny_warm_start(out_dir, train, val, seed=args.seed or 0)
+        if not args.model and dp is not None:
+            model = dp.share_object(model)  # rank 0's warm start
+        base["model"] = model
     cfg = config_from_args(args, base)
+    if dp is not None and dp.rank > 0:
+        run_tba(cfg, [], gsm8k_reward)  # trains its share of every step rank 0 hands out
+        dp.close()
+        return {}
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if preset != "tiny":
@@ -594,6 +606,8 @@ def main(argv: list[str] | None = None) -> dict:
     rl_start = time.time()
     trainer = run_tba(cfg, train, gsm8k_reward, on_step=on_step)
     rl_seconds = time.time() - rl_start
+    if dp is not None:
+        dp.close()
 
     final = out_dir / "final"
     trainer.model.save_pretrained(final)

@@ -73,6 +73,11 @@ Deviations from the official code, with reasons
   * Searchers start, and size their engines' memory, before the trainer loads its model, and
     generate nothing before the first publish: on one shared GPU vLLM sizes its KV cache from
     the memory free at its start.
+  * A data-parallel trainer runs on torch.distributed (torchrun; DDP, NCCL or gloo), not
+    Accelerate: rank 0 alone runs steps 1, 2, 3 and 5 and hands every rank a contiguous share
+    of the P prompt groups, whole (log Z is per prompt); each rank weights its loss by its share
+    of the batch (of the groups for TB, of the scored tokens for GRPO) and DDP sums the
+    gradients, so a step equals one rank's step on the whole batch. One publish per version.
 
 Options beyond the paper, off in its preset, each one flag (README, "Why TB for asynchrony,
 measured"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import datetime
 import itertools
 import json
 import os
@@ -24,7 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
@@ -75,6 +78,170 @@ def padded(rows: list[list[float]], width: int, device: torch.device) -> torch.T
     return out.to(device)
 
 
+# ----------------------------------------------------------------------------- data parallel
+
+
+class DataParallelFailed(RuntimeError):
+    """A collective between the trainer's data-parallel ranks failed: a rank died or timed out."""
+
+
+@dataclasses.dataclass
+class DataParallel:
+    """This process's place among the trainer's data-parallel ranks, started by torchrun
+    (tba.py, "Data parallel"). Rank 0 runs the single-node system: searchers, replay buffer,
+    weight store, metrics, evaluation and checkpoints. Every rank scores its contiguous share of
+    each step's P prompt groups; DDP sums the gradients. Each message of rank 0 is one broadcast:
+    ``"start"``, a step's groups, or ``None`` (stop)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    timeout_s: float
+
+    @classmethod
+    def from_env(cls, trainer_device: str, timeout_s: float) -> DataParallel | None:
+        """None without torchrun's WORLD_SIZE > 1; else join (or reuse) the default process
+        group: NCCL for CUDA trainer devices, gloo on CPU, every collective bounded by
+        ``timeout_s``."""
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size <= 1:
+            return None
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = rank_device(trainer_device, local_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "nccl" if device.type == "cuda" else "gloo",
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+        return cls(dist.get_rank(), world_size, local_rank, device, timeout_s)
+
+    def share(self, count: int) -> range:
+        """The indices of this rank's groups among ``count``: contiguous, sizes differ by at
+        most one, every rank at least one (``check``)."""
+        size, extra = divmod(count, self.world_size)
+        start = self.rank * size + min(self.rank, extra)
+        return range(start, start + size + (self.rank < extra))
+
+    def check(self, cfg: TBAConfig) -> None:
+        """Every rank needs at least one whole group a step."""
+        if cfg.prompts_per_step < self.world_size:
+            raise ValueError(
+                f"data parallel: prompts_per_step ({cfg.prompts_per_step}) must be at least the "
+                f"number of ranks ({self.world_size}): a group is never split (log Z is per prompt)"
+            )
+
+    def others(self) -> str:
+        """The ranks a failure on rank 0 may come from, for its message."""
+        if self.world_size == 2:
+            return "rank 1"
+        return f"one of ranks 1-{self.world_size - 1}"
+
+    def failed(self, what: str, error: Exception) -> DataParallelFailed:
+        who = self.others() if self.rank == 0 else "rank 0"
+        return DataParallelFailed(
+            f"data parallel, rank {self.rank}: {what} failed; {who} died or did not answer "
+            f"within {self.timeout_s:g}s (timeout_s): {error}"
+        )
+
+    def send(self, message) -> None:
+        """Rank 0: hand ``message`` to every other rank."""
+        try:
+            dist.broadcast_object_list([message], src=0, device=self._object_device())
+        except RuntimeError as e:  # gloo raises RuntimeError, NCCL DistError (a subclass)
+            raise self.failed("handing out work", e) from e
+
+    def receive(self):
+        """Ranks > 0: the next message of rank 0."""
+        box = [None]
+        try:
+            dist.broadcast_object_list(box, src=0, device=self._object_device())
+        except RuntimeError as e:
+            raise self.failed("waiting for work", e) from e
+        return box[0]
+
+    def share_object(self, value):
+        """Rank 0's ``value`` on every rank."""
+        if self.rank == 0:
+            self.send(value)
+            return value
+        return self.receive()
+
+    def close(self) -> None:
+        """Leave the process group (the end of a run)."""
+        dist.destroy_process_group()
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Each value summed over the ranks (fp64)."""
+        total = torch.tensor(values, dtype=torch.float64, device=self.device)
+        try:
+            dist.all_reduce(total)
+        except RuntimeError as e:
+            raise self.failed("summing metrics", e) from e
+        return total.tolist()
+
+    def check_same(self, trainer: Trainer) -> None:
+        """Raise unless every rank starts from the same step and weights (a resumed rank that
+        found no checkpoint, on a file system the ranks do not share, would not)."""
+        with torch.no_grad():
+            checksum = sum(p.double().sum().item() for p in trainer.model.parameters())
+        mine = torch.tensor([trainer.step, checksum], dtype=torch.float64, device=self.device)
+        low, high = mine.clone(), mine.clone()
+        try:
+            dist.all_reduce(low, dist.ReduceOp.MIN)
+            dist.all_reduce(high, dist.ReduceOp.MAX)
+        except RuntimeError as e:
+            raise self.failed("comparing the ranks' weights", e) from e
+        if not torch.equal(low, high):
+            raise DataParallelFailed(
+                f"data parallel, rank {self.rank}: the ranks start from different steps or "
+                f"weights (step {trainer.step}, weights sum {checksum}; the ranks range over "
+                f"{low.tolist()} to {high.tolist()}): output_dir must be one directory that every "
+                "rank reads (--resume)"
+            )
+
+    def _object_device(self) -> torch.device | None:
+        return self.device if self.device.type == "cuda" else None
+
+
+def is_collective_error(error: RuntimeError) -> bool:
+    """Whether ``error`` is a failed collective: DistError (NCCL, timeouts), or gloo's
+    RuntimeError, which names its source file."""
+    return isinstance(error, dist.DistError) or "gloo" in str(error)
+
+
+def rank_device(trainer_device: str, local_rank: int) -> torch.device:
+    """The trainer device of the rank with ``local_rank`` on its node: the ``local_rank``-th of
+    a comma list; one ``cuda:N``: ``cuda:N + local_rank``; ``cpu``: the CPU."""
+    devices = [d.strip() for d in trainer_device.split(",") if d.strip()]
+    if len(devices) > 1:
+        if local_rank >= len(devices):
+            raise ValueError(
+                f"trainer_device lists {len(devices)} devices, but local rank is {local_rank}"
+            )
+        return torch.device(devices[local_rank])
+    device = torch.device(devices[0])
+    if device.type == "cpu":
+        return device
+    return torch.device(device.type, (device.index or 0) + local_rank)
+
+
+class GroupScorer(torch.nn.Module):
+    """``tba.group_logprobs`` (or ``group_token_logprobs``) of a model as one module call, so
+    that DDP, which reduces the gradients of what runs through its forward, covers both model
+    calls of a shared-prompt pass."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, prompts, responses, per_token: bool, **rule):
+        scorer = group_token_logprobs if per_token else group_logprobs
+        return scorer(self.model, prompts, responses, **rule)
+
+
 # ----------------------------------------------------------------------------- 2-5. the trainer
 
 LAG_COUNT_TOP = 4  # metrics count the trajectories of lag 0, 1, 2, 3 and 4 or more
@@ -92,6 +259,7 @@ class Trainer:
         pad_id: int,
         eos_id: int,
         probe: ParityProbe | None = None,
+        dp: DataParallel | None = None,
     ):
         self.cfg = cfg
         self.device = device
@@ -106,6 +274,18 @@ class Trainer:
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.model.train()
+        # Data parallel: the forward runs through DDP, which averages the gradients over the
+        # ranks at the backward of each step's last pass (``passes`` scales the losses so that
+        # the average is the whole batch's gradient); ``self.model`` stays the bare model.
+        self.dp = dp
+        self.ddp = None
+        if dp is not None:
+            dp.check(cfg)
+            self.ddp = DistributedDataParallel(
+                GroupScorer(self.model),
+                device_ids=[device.index] if device.type == "cuda" else None,
+                forward_sync_buffers=False,
+            )
         if mixed:
             self.autocast = torch.autocast(device.type, dtype=cfg.torch_dtype())
         else:
@@ -139,10 +319,38 @@ class Trainer:
 
     def backward(self, groups: list[list[Trajectory]], beta: float) -> dict[str, float]:
         """4. Accumulate the gradient of the configured loss (``--loss``) on the (P, K) batch
-        into ``.grad``; returns the loss's metrics."""
+        into ``.grad``; returns the loss's metrics. Data parallel, each rank scores its share
+        of the groups (``share``) and the gradient and the metrics are those of the whole batch.
+        """
         if self.cfg.loss == "grpo":
             return self.grpo_backward(groups)
         return self.tb_backward(groups, beta)
+
+    def share(self, count: int) -> range:
+        """The indices of the groups, of ``count``, that this rank scores: all of them on one
+        rank."""
+        return self.dp.share(count) if self.dp is not None else range(count)
+
+    def passes(self, groups: list[list[Trajectory]]):
+        """(first index, the pass's groups, sync context) of each forward pass over this rank's
+        share. Data parallel, the gradient is reduced only at the backward of the last pass
+        (DDP's ``no_sync`` before), and each pass's loss is multiplied by the number of ranks,
+        which DDP's average divides out (``grad_scale``)."""
+        mine = self.share(len(groups))
+        per_pass = self.groups_per_pass(len(mine))
+        firsts = list(range(mine.start, mine.stop, per_pass))
+        for first in firsts:
+            chunk = groups[first : min(first + per_pass, mine.stop)]
+            last = first == firsts[-1]
+            sync = self.ddp.no_sync() if self.ddp is not None and not last else None
+            yield first, chunk, sync or contextlib.nullcontext()
+
+    def grad_scale(self) -> int:
+        return self.dp.world_size if self.dp is not None else 1
+
+    def reduce(self, values: list[float]) -> list[float]:
+        """Per-rank sums summed over the ranks (as they are on one rank)."""
+        return self.dp.sum(values) if self.dp is not None else values
 
     def groups_per_pass(self, num_groups: int) -> int:
         """Prompt groups per forward pass: micro_batch_size sequences rounded down to whole
@@ -159,42 +367,43 @@ class Trainer:
         cfg = self.cfg
         prompts = [group[0].prompt_tokens for group in groups]
         responses = [[t.response_tokens for t in group] for group in groups]
-        scorer = group_token_logprobs if per_token else group_logprobs
+        rule = dict(
+            pad_id=self.pad_id,
+            eos_id=self.eos_id,
+            temperature=cfg.logprob_temperature(),
+            include_eos=cfg.eos_in_logprob,
+            share_prompt=not cfg.gradient_checkpointing,
+            device=self.device,
+        )
         with self.autocast:
-            return scorer(
-                self.model,
-                prompts,
-                responses,
-                pad_id=self.pad_id,
-                eos_id=self.eos_id,
-                temperature=cfg.logprob_temperature(),
-                include_eos=cfg.eos_in_logprob,
-                share_prompt=not cfg.gradient_checkpointing,
-                device=self.device,
-            )
+            if self.ddp is not None:
+                return self.ddp(prompts, responses, per_token, **rule)
+            scorer = group_token_logprobs if per_token else group_logprobs
+            return scorer(self.model, prompts, responses, **rule)
 
     def tb_backward(self, groups: list[list[Trajectory]], beta: float) -> dict[str, float]:
-        """tb_loss, in passes of ``groups_per_pass``. log Z is per prompt, so the passes' losses
-        weighted by their share of the P groups sum to tb_loss on the whole batch, exactly."""
+        """tb_loss, in passes of ``groups_per_pass`` (over this rank's share). log Z is per
+        prompt, so the passes' losses weighted by their share of the P groups sum to tb_loss on
+        the whole batch, exactly, across passes and ranks alike."""
         cfg = self.cfg
-        per_pass = self.groups_per_pass(len(groups))
         loss_sum = 0.0
-        log_z = []
+        log_z_sum = 0.0
         logp_sum = 0.0
-        for first in range(0, len(groups), per_pass):
-            chunk = groups[first : first + per_pass]
-            logp = self.score(chunk, per_token=False)
-            ref = torch.tensor([[t.ref_logprob for t in g] for g in chunk], device=self.device)
-            reward = torch.tensor([[t.reward for t in g] for g in chunk], device=self.device)
-            loss = tb_loss(logp, ref, reward, beta, cfg.tb_residual_bound)
-            loss = loss * (len(chunk) / len(groups))
-            loss.backward()
+        for _, chunk, sync in self.passes(groups):
+            with sync:
+                logp = self.score(chunk, per_token=False)
+                ref = torch.tensor([[t.ref_logprob for t in g] for g in chunk], device=self.device)
+                reward = torch.tensor([[t.reward for t in g] for g in chunk], device=self.device)
+                loss = tb_loss(logp, ref, reward, beta, cfg.tb_residual_bound)
+                loss = loss * (len(chunk) / len(groups))
+                (loss * self.grad_scale()).backward()
             loss_sum += loss.item()
-            log_z += tb_log_z(logp, ref, reward, beta).tolist()
+            log_z_sum += tb_log_z(logp, ref, reward, beta).sum().item()
             logp_sum += logp.detach().sum().item()
+        loss_sum, log_z_sum, logp_sum = self.reduce([loss_sum, log_z_sum, logp_sum])
         return {
             "loss/tb": loss_sum,
-            "loss/logz_mean": statistics.fmean(log_z),
+            "loss/logz_mean": log_z_sum / len(groups),
             "policy/logp_mean": logp_sum / sum(len(g) for g in groups),
         }
 
@@ -214,31 +423,33 @@ class Trainer:
         reward = torch.tensor([[t.reward for t in g] for g in groups], device=self.device)
         advantages = grpo_advantages(reward)
         total = sum(len(t.logprobs) for g in groups for t in g)
-        per_pass = self.groups_per_pass(len(groups))
-        sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)
+        keys = ("loss", "clip_frac", "kl", "ratio_mean")
+        sums = dict.fromkeys(keys, 0.0)
         logp_sum = 0.0
-        for first in range(0, len(groups), per_pass):
-            chunk = groups[first : first + per_pass]
+        for first, chunk, sync in self.passes(groups):
             flat = [t for g in chunk for t in g]
-            logp, mask = self.score(chunk, per_token=True)
-            for t, n in zip(flat, mask.sum(1).tolist(), strict=True):
-                if len(t.logprobs) != n or len(t.ref_token_logprobs) != n:
-                    raise ValueError(
-                        f"--loss grpo: prompt {t.prompt_id!r}: {n} scored tokens, but "
-                        f"{len(t.logprobs)} behaviour and {len(t.ref_token_logprobs)} "
-                        "reference log-probs recorded (the searcher scored by another rule)"
-                    )
-            old = padded([t.logprobs for t in flat], logp.shape[1], self.device)
-            ref = padded([t.ref_token_logprobs for t in flat], logp.shape[1], self.device)
-            adv = advantages[first : first + per_pass].reshape(-1)
-            tokens = int(mask.sum())
-            share = tokens / max(total, 1)
-            loss = grpo_loss(logp, old, ref, mask, adv, cfg.grpo_clip_eps, cfg.grpo_kl_coef)
-            (loss * share).backward()
+            with sync:
+                logp, mask = self.score(chunk, per_token=True)
+                for t, n in zip(flat, mask.sum(1).tolist(), strict=True):
+                    if len(t.logprobs) != n or len(t.ref_token_logprobs) != n:
+                        raise ValueError(
+                            f"--loss grpo: prompt {t.prompt_id!r}: {n} scored tokens, but "
+                            f"{len(t.logprobs)} behaviour and {len(t.ref_token_logprobs)} "
+                            "reference log-probs recorded (the searcher scored by another rule)"
+                        )
+                old = padded([t.logprobs for t in flat], logp.shape[1], self.device)
+                ref = padded([t.ref_token_logprobs for t in flat], logp.shape[1], self.device)
+                adv = advantages[first : first + len(chunk)].reshape(-1)
+                tokens = int(mask.sum())
+                share = tokens / max(total, 1)
+                loss = grpo_loss(logp, old, ref, mask, adv, cfg.grpo_clip_eps, cfg.grpo_kl_coef)
+                (loss * share * self.grad_scale()).backward()
             sums["loss"] += loss.item() * share
             for key, value in grpo_metrics(logp, old, ref, mask, adv, cfg.grpo_clip_eps).items():
                 sums[key] += value.item() * share
             logp_sum += logp.detach().sum().item()
+        *reduced, logp_sum = self.reduce([sums[key] for key in keys] + [logp_sum])
+        sums = dict(zip(keys, reduced, strict=True))
         return {
             "loss/grpo": sums["loss"],
             "grpo/clip_frac": sums["clip_frac"],
@@ -258,6 +469,8 @@ class Trainer:
             cfg.prompts_per_step, cfg.responses_per_prompt, version, min_version
         )
         t1 = time.perf_counter()
+        if self.dp is not None:
+            self.dp.send(groups)  # every rank runs the same update, on its share
         metrics = self.update(groups)
         t2 = time.perf_counter()
 
@@ -290,7 +503,12 @@ class Trainer:
         cfg = self.cfg
         beta = beta_at(self.step, cfg.beta_start, cfg.beta_end, cfg.beta_anneal_steps)
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = self.backward(groups, beta)
+        try:
+            metrics = self.backward(groups, beta)
+        except RuntimeError as e:
+            if self.dp is None or not is_collective_error(e):
+                raise
+            raise self.dp.failed(f"the gradient reduction of step {self.step}", e) from e
         if cfg.loss == "tb":  # GRPO has no beta (its KL weight is grpo_kl_coef)
             metrics["train/beta"] = beta
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -536,17 +754,24 @@ def run_tba(
     *,
     on_step: Callable[[Trainer, dict], None] | None = None,
     show_progress: bool = True,
-) -> Trainer:
+) -> Trainer | None:
     """Run TBA: searchers in child processes, the trainer here. Returns the trained Trainer.
 
     ``examples`` are dicts with ``id`` and ``prompt`` (text) plus what ``reward_fn`` reads.
     ``on_step(trainer, metrics)`` runs after every step and may add keys to ``metrics``. Writes
     output_dir/metrics.jsonl and output_dir/checkpoint.pt (every ``checkpoint_every`` steps and
-    on any exit), from which ``cfg.resume`` continues."""
-    device = torch.device(cfg.trainer_device)
+    on any exit), from which ``cfg.resume`` continues.
+
+    Under torchrun (WORLD_SIZE > 1) this is rank 0 of a data-parallel trainer (``DataParallel``);
+    the other ranks run ``follow_rank0`` instead, and return its Trainer (None when rank 0 stopped
+    before training)."""
+    dp = DataParallel.from_env(cfg.trainer_device, cfg.timeout_s)
+    device = dp.device if dp is not None else torch.device(cfg.trainer_device)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads_per_process())
     tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    if dp is not None and dp.rank > 0:
+        return follow_rank0(cfg, dp, tokenizer)
     probe = None
     if cfg.parity_check:
         probe_prompt = tokenizer(examples[0]["prompt"])["input_ids"]
@@ -570,7 +795,11 @@ def run_tba(
     try:
         pool.start()  # 1. the searchers run from here on, in their own processes
         pool.wait_ready()
-        trainer = _load_trainer(cfg, device, tokenizer, probe, ckpt_path, metrics_path)
+        if dp is not None:
+            dp.send("start")  # the other ranks load their trainers beside this one
+        trainer = _load_trainer(cfg, device, tokenizer, probe, ckpt_path, metrics_path, dp)
+        if dp is not None:
+            dp.check_same(trainer)
         trainer.publish(store)  # the first version: searchers wait for it before generating
         started = time.time()  # wall_time counts training, not start-up
         bar = tqdm(
@@ -628,11 +857,42 @@ def run_tba(
         if bar is not None:
             bar.close()
         for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)
+            # Data parallel: torchrun ends every rank with SIGTERM once one has failed, and
+            # SIGKILL 30 s later; the checkpoint is written first.
+            signal.signal(sig, signal.SIG_IGN if dp is not None else handler)
         pool.stop()  # children first: every process of the run is gone before the save
         if trainer is not None:
             trainer.save(ckpt_path)
+        if dp is not None:
+            stop_followers(dp)
+            for sig, handler in old_handlers.items():
+                signal.signal(sig, handler)
     return trainer
+
+
+def follow_rank0(cfg: TBAConfig, dp: DataParallel, tokenizer) -> Trainer | None:
+    """A data-parallel rank > 0: the same trainer as rank 0's (resumed from the same checkpoint),
+    then 4. one update per batch rank 0 hands out, on this rank's share, until rank 0 says stop.
+    Searchers, buffer, publishing, metrics and checkpoints are rank 0's."""
+    if dp.receive() != "start":  # None: rank 0 stopped before loading its trainer
+        return None
+    trainer = Trainer(cfg, dp.device, pad_token_id(tokenizer), tokenizer.eos_token_id, dp=dp)
+    ckpt_path = Path(cfg.output_dir) / "checkpoint.pt"
+    if cfg.resume and ckpt_path.exists():
+        trainer.load(ckpt_path)
+    dp.check_same(trainer)
+    while (groups := dp.receive()) is not None:
+        trainer.update(groups)
+    return trainer
+
+
+def stop_followers(dp: DataParallel) -> None:
+    """Rank 0 on its way out: tell the other ranks to stop. A rank that died cannot be told;
+    torchrun ends the rest."""
+    try:
+        dp.send(None)
+    except DataParallelFailed as e:
+        tqdm.write(f"{e}\n(the other ranks could not be told to stop)")
 
 
 def _load_trainer(
@@ -642,9 +902,10 @@ def _load_trainer(
     probe: ParityProbe | None,
     ckpt_path: Path,
     metrics_path: Path,
+    dp: DataParallel | None = None,
 ) -> Trainer:
     """The trainer, resumed from ``ckpt_path`` when ``cfg.resume``; metrics.jsonl cut to match."""
-    trainer = Trainer(cfg, device, pad_token_id(tokenizer), tokenizer.eos_token_id, probe)
+    trainer = Trainer(cfg, device, pad_token_id(tokenizer), tokenizer.eos_token_id, probe, dp)
     old_rows = []
     if cfg.resume and metrics_path.exists():
         old_rows = metrics_path.read_text().splitlines()
