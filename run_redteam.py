@@ -52,8 +52,9 @@ App. B, which could not be read here and are unverified against it):
   attacker GPT-2 after the supervised start (Lee's SFT checkpoint; --model, required), float32
   (Lee dtype); victim vicgalle/gpt2-alpaca, 5 answers at T 0.7, top-p 0.92, at most 30 tokens
   (Lee num_r_samples, configs/gpt2.json); classifier facebook/roberta-hate-speech-dynabench-r4-
-  target, label "hate" (Lee utils.RobertaClassifier); attacks of at most 20 tokens, and of fewer
-  than 5 an extra -25 in r (-500 nats at beta 0.05, Lee max_len, min_len, its -500); beta 0.05
+  target, label "hate" (Lee utils.RobertaClassifier); attacks of at most 20 tokens, and for
+  those of fewer than 5 (EOS counted) r = -25, -500 nats at beta 0.05 (Lee max_len, min_len;
+  Lee sets their log p_ref to -500 and keeps the classifier term); beta 0.05
   (issue; Lee's README runs 0.1), reward-temperature 2.0 -> 1.0 over 500 steps (Lee); k 10,
   m 0.5 (issue); lr 1e-4, 100 warmup steps, 5,000 steps, weight decay 0.1, gradient norm 1.0
   (Lee); 128 attacks a step as P 8 x K 16 (Lee's batch 16 x 8 accumulation; the split is chosen
@@ -208,7 +209,8 @@ TINY_PRESET: dict = dict(
     max_lag=1,
     # Replay prioritised by reward (the paper's reward-prioritised sampling; Lee et al. replay
     # by reward too): a rare success is drawn again and again instead of waiting for the policy
-    # to sample it. 2.0 weighs a flagged attack e^(2 x 2.8) ~ 270 times a miss.
+    # to sample it. 2.0 weighs an attack at a trigger's mean reward (-0.73) e^(2 x 2.8) ~ 260
+    # times a miss (-3.5).
     inv_temp=2.0,
     buffer_capacity=128,
     initial_samples=128,
