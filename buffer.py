@@ -12,6 +12,8 @@ This file imports nothing from the project (standard library only), so it can be
   stored item) and an insert appends or bisects by version, so an ``add`` costs the same with 20
   or 100 items per prompt. ``sample`` returns ordinary ``Trajectory`` records with lists; the
   layout changes no draw (a test pins the draws against the list layout).
+* Thread-safe: every public method holds the buffer's lock, so a thread can drain the searchers'
+  queue into the buffer while the trainer samples (``trainer.Intake``).
 * ``sample(P, K)`` returns P groups of exactly K trajectories. For each group, with probability
   ``mop_prob`` (m) the prompt is "most on-policy" (MOP) and its K items are its newest ones
   (those of its newest policy version). Otherwise the prompt is any prompt, and the K items are
@@ -36,10 +38,12 @@ This file imports nothing from the project (standard library only), so it can be
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import operator
 import random
 import sys
+import threading
 from array import array
 from collections import Counter
 from collections.abc import Hashable
@@ -162,6 +166,17 @@ class StoredTrajectory:
 _version = operator.attrgetter("version")
 
 
+def _locked(method):
+    """``method`` run holding the buffer's lock: a thread may add while another samples."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class ReplayBuffer:
     """Trajectories grouped by prompt; see the module docstring for the sampling rule."""
 
@@ -178,6 +193,7 @@ class ReplayBuffer:
         self.mop_prob = mop_prob
         self.inv_temp = inv_temp
         self.rng = random.Random(seed)
+        self._lock = threading.RLock()  # held by every public method (an intake thread adds)
         # prompt -> its items, oldest version first; the dict is ordered by latest refresh
         self.groups: dict[Hashable, list[StoredTrajectory]] = {}
         self.num_added = 0  # every trajectory ever added, duplicates included
@@ -191,6 +207,7 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------ adding
 
+    @_locked
     def add(self, traj: Trajectory) -> None:
         """Insert one trajectory: dedup by response tokens (newest kept), then evict oldest.
         The buffer stores its own packed copy of the record; the caller's object is not changed."""
@@ -223,15 +240,18 @@ class ReplayBuffer:
         self.num_added += 1
         self.newest_version = max(self.newest_version, item.version)
 
+    @_locked
     def extend(self, trajs) -> None:
         for traj in trajs:
             self.add(traj)
 
     # ------------------------------------------------------------------ sampling
 
+    @_locked
     def __len__(self) -> int:
         return sum(self._per_version.values())
 
+    @_locked
     def mark_sync(self) -> None:
         """The trainer has published new weights: the MOP set starts afresh. Prompts refreshed
         since the previous sync that no step drew as MOP are counted (``buffer/fresh_untrained``
@@ -241,6 +261,7 @@ class ReplayBuffer:
         self._mop_drawn.clear()
         self._mop_since_sync.clear()
 
+    @_locked
     def mop_prompts(
         self, at_least: int, min_version: int | None = None, eligible: list | None = None
     ) -> list[Hashable]:
@@ -259,6 +280,7 @@ class ReplayBuffer:
         version, so its last item is its newest)."""
         return min_version is None or self.groups[pid][-1].version >= min_version
 
+    @_locked
     def count_prompts_since(self, min_version: int) -> int:
         """Prompts holding at least one item of ``min_version`` or newer."""
         return sum(g[-1].version >= min_version for g in self.groups.values())
@@ -293,6 +315,7 @@ class ReplayBuffer:
         order = sorted(range(len(items)), key=keys.__getitem__, reverse=True)
         return [items[i] for i in order[:count]]
 
+    @_locked
     def sample(
         self,
         num_prompts: int,
@@ -360,12 +383,14 @@ class ReplayBuffer:
         """The drawn items as the records the searchers sent (a new record per draw)."""
         return [t.trajectory() for t in items]
 
+    @_locked
     def count_version(self, version: int) -> int:
         """Prompts holding at least one item of ``version``."""
         return sum(any(t.version == version for t in g) for g in self.groups.values())
 
     # ------------------------------------------------------------------ stats and state
 
+    @_locked
     def stats(self, current_version: int | None = None) -> dict[str, float]:
         """Sizes, and with ``current_version`` the mean lag of stored items (from per-version
         counts: a step should not cost a pass over every stored trajectory)."""
@@ -383,6 +408,7 @@ class ReplayBuffer:
             )
         return out
 
+    @_locked
     def state_dict(self) -> dict:
         """Plain Python containers and bytes only, so it loads with
         ``torch.load(weights_only=True)`` without unpickling arbitrary objects. Items keep their
@@ -403,6 +429,7 @@ class ReplayBuffer:
             "any_drawn": [pid for pid in self.groups if pid in self._any_drawn],
         }
 
+    @_locked
     def load_state_dict(self, state: dict) -> None:
         """A state of ``state_dict``, or of the format before packing (Python lists per item)."""
         packed = state.get("format", 1) == 2

@@ -72,7 +72,7 @@ from tba import (
     tb_loss,
     wsd_lr_factor,
 )
-from trainer import SearcherFailed, SearcherPool, Trainer, padded, run_tba
+from trainer import Intake, SearcherFailed, SearcherPool, Trainer, padded, run_tba
 
 REPO = Path(__file__).resolve().parent
 
@@ -1637,6 +1637,55 @@ def test_pool_waits_for_every_searcher_to_be_ready_and_names_the_late_one(tiny_m
     finally:
         pool.queue.cancel_join_thread()
         pool.queue.close()
+
+
+class ScriptedPool:
+    """SearcherPool's side of the intake (drain, handle, metrics) replaying a script: batches of
+    trajectories, then an exception, as SearcherPool.handle raises SearcherFailed."""
+
+    def __init__(self, script: list):
+        self.script = script
+
+    def drain(self, timeout: float) -> list:
+        time.sleep(min(timeout, 0.001))
+        return [self.script.pop(0)] if self.script else []
+
+    def handle(self, messages: list) -> list[Trajectory]:
+        trajectories = []
+        for message in messages:
+            if isinstance(message, BaseException):
+                raise message
+            trajectories += message
+        return trajectories
+
+    def metrics(self) -> dict[str, float]:
+        return {"async/batches_in": 0.0}
+
+
+def test_intake_thread_adds_while_the_trainer_samples_and_raises_failures_on_the_main_thread():
+    """The intake thread fills the buffer while this thread samples it (no torn state), and a
+    searcher failure it meets is raised here, where run_tba's loop calls wait()."""
+    batches = [[traj(b % 500, [b, j], version=b // 500) for j in range(8)] for b in range(1000)]
+    failure = SearcherFailed("searcher 1 failed (raised); 2 restarts used of 2")
+    buffer = ReplayBuffer(capacity=10, mop_prob=0.5, seed=0)
+    intake = Intake(ScriptedPool([*batches, failure]), buffer, poll_s=0.01)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # interleave the two threads' adds and draws finely
+    with time_limit(20), contextlib.ExitStack() as stack:
+        stack.callback(sys.setswitchinterval, switch)
+        intake.start()
+        draws = 0
+        with pytest.raises(SearcherFailed, match="2 restarts used of 2"):
+            while True:
+                intake.wait(timeout=0.01)
+                if len(buffer.groups) >= 4:
+                    groups, _ = buffer.sample(4, 3)
+                    assert all(len({t.prompt_id for t in g}) == 1 for g in groups)
+                    draws += 1
+        intake.stop()
+    assert draws > 0 and not intake.thread.is_alive()
+    assert buffer.num_added == 1000 * 8 and len(buffer) == 500 * 10  # every batch in, some evicted
+    assert intake.metrics() == {"async/batches_in": 0.0}
 
 
 def test_pool_does_not_restart_a_searcher_whose_weights_did_not_arrive(tiny_model_dir):
