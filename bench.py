@@ -645,37 +645,47 @@ def bench_intake(
     tracemalloc.stop()
     del buf
 
+    # Wall-clock and CPU seconds (process_time: without the time the process waited for a core,
+    # which on a shared machine is most of the difference).
     buf = module.ReplayBuffer(capacity=100)
     seconds = []
+    cpu_s = 0.0
     for r in range(per_prompt):
         batch = _random_batch(module, range(prompts), prompt_tokens, tokens, r // 5, rng)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for traj in batch:
             buf.add(traj)
         seconds.append(time.perf_counter() - t0)
+        cpu_s += time.process_time() - c0
     out["trajectories"] = len(buf)
     out["add_us"] = sum(seconds) / len(buf) * 1e6
+    out["add_cpu_us"] = cpu_s / len(buf) * 1e6
     out["add_us_last_round"] = seconds[-1] / prompts * 1e6
     out["add_per_s"] = 1e6 / out["add_us"]
 
     # Full groups (capacity 100 of a long run): every add also evicts; old layouts scan the group.
     full = module.ReplayBuffer(capacity=100)
     few = range(prompts // 40)
-    full_s = 0.0
+    full_s = full_cpu_s = 0.0
     for r in range(120):
         batch_r = _random_batch(module, few, prompt_tokens, tokens, r // 5, rng)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for traj in batch_r:
             full.add(traj)
         full_s += (time.perf_counter() - t0) if r >= 100 else 0.0
+        full_cpu_s += (time.process_time() - c0) if r >= 100 else 0.0
     out["add_us_full_groups"] = full_s / (20 * len(few)) * 1e6
+    out["add_cpu_us_full_groups"] = full_cpu_s / (20 * len(few)) * 1e6
     del full, batch_r
 
     message = pickle.dumps(batch[:1000])
-    t0 = time.perf_counter()
-    pickle.loads(message)
-    out["unpickle_us"] = (time.perf_counter() - t0) / 1000 * 1e6
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(5):
+        pickle.loads(message)
+    out["unpickle_us"] = (time.perf_counter() - t0) / 5000 * 1e6
+    out["unpickle_cpu_us"] = (time.process_time() - c0) / 5000 * 1e6
     out["intake_per_s"] = 1e6 / (out["add_us"] + out["unpickle_us"])
+    out["intake_cpu_per_s"] = 1e6 / (out["add_cpu_us"] + out["unpickle_cpu_us"])
     out["required_per_s"] = INTAKE_REQUIRED_S
 
     t0 = time.perf_counter()
@@ -869,6 +879,8 @@ def main() -> None:
                 if path is not None:
                     log(f"intake: {path}")
                     res[key] = bench_intake(str(Path(__file__).parent / path), **size)
+                    speedup = parallel_speedup(1.0 if args.quick else 3.0)
+                    res[key]["parallel_speedup_after"] = speedup
                     print(f"{key} ({path}): {json.dumps(res[key])}")
     res["total_runtime_s"] = time.monotonic() - start
     Path(args.out).write_text(json.dumps(res, indent=2))
