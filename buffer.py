@@ -8,10 +8,11 @@ This file imports nothing from the project (standard library only), so it can be
 * Compact storage (``StoredTrajectory``): token ids packed as int32 bytes, per-token log-probs as
   float64 bytes (exact), one prompt-token record per prompt: a 128-token response holds 0.7 KB,
   not 5 KB of Python int lists (``bench.py --sections intake``), and bytes objects are not
-  traversed by the garbage collector. Deduplication compares packed bytes (no tuple built per
-  stored item) and an insert appends or bisects by version, so an ``add`` costs the same with 20
-  or 100 items per prompt. ``sample`` returns ordinary ``Trajectory`` records with lists; the
-  layout changes no draw (a test pins the draws against the list layout).
+  traversed by the garbage collector. Deduplication looks the packed response up in a dict per
+  prompt (no pass over the group, no tuple per stored item) and an insert appends or bisects by
+  version, so an ``add`` costs about the same with 20 or 100 items per prompt. ``sample``
+  returns ordinary ``Trajectory`` records with lists; the layout changes no draw (a test pins
+  the draws against the list layout).
 * Thread-safe: every public method holds the buffer's lock, so a thread can drain the searchers'
   queue into the buffer while the trainer samples (``trainer.Intake``).
 * ``sample(P, K)`` returns P groups of exactly K trajectories. For each group, with probability
@@ -196,6 +197,8 @@ class ReplayBuffer:
         self._lock = threading.RLock()  # held by every public method (an intake thread adds)
         # prompt -> its items, oldest version first; the dict is ordered by latest refresh
         self.groups: dict[Hashable, list[StoredTrajectory]] = {}
+        # prompt -> its items by packed response: deduplication without a pass over the group
+        self._responses: dict[Hashable, dict[bytes, StoredTrajectory]] = {}
         self.num_added = 0  # every trajectory ever added, duplicates included
         self.newest_version = -1  # the newest policy version among the items (never decreases)
         self._per_version: Counter[int] = Counter()  # items held per policy version
@@ -221,10 +224,13 @@ class ReplayBuffer:
         # One prompt record per prompt, not one per trajectory (bounded memory): the first one.
         prompt = group[0].prompt if group else pack(traj.prompt_tokens, TOKEN_TYPE)
         item = StoredTrajectory.from_trajectory(traj, prompt)
-        response = item.response
-        gone = [t for t in group if t.response == response]
-        if gone:
-            group[:] = [t for t in group if t.response != response]
+        index = self._responses.setdefault(traj.prompt_id, {})
+        duplicate = index.get(item.response)
+        gone = []
+        if duplicate is not None:  # a group holds no two equal responses: at most one
+            group.remove(duplicate)
+            gone.append(duplicate)
+        index[item.response] = item
         # Keep the group ordered by version so "oldest" means oldest policy, even when two
         # searchers at different versions deliver out of order; inserted after its equals, as a
         # stable sort of the group with the new item appended would place it.
@@ -232,9 +238,11 @@ class ReplayBuffer:
             group.append(item)
         else:
             bisect.insort_right(group, item, key=_version)
-        gone += group[: -self.capacity]
+        evicted = group[: -self.capacity]
         del group[: -self.capacity]
-        for t in gone:
+        for t in evicted:  # the new item among them when it is the oldest of a full group
+            del index[t.response]
+        for t in gone + evicted:
             self._per_version[t.version] -= 1
         self._per_version[item.version] += 1
         self.num_added += 1
@@ -459,6 +467,7 @@ class ReplayBuffer:
                 else:
                     group.append(_from_fields(pid, record, prompt))
             self.groups[pid] = group
+        self._responses = {pid: {t.response: t for t in g} for pid, g in self.groups.items()}
         self._per_version = Counter(t.version for g in self.groups.values() for t in g)
         self._fresh = {_key(p) for p in state["fresh"]}
         self._mop_drawn = {_key(p) for p in state["mop_drawn"]}

@@ -1010,6 +1010,9 @@ def test_buffer_packed_state_round_trips_and_reads_the_list_format(tmp_path):
             assert all(t.prompt is loaded.groups[pid][0].prompt for t in loaded.groups[pid])
         assert loaded.stats(9) == buf.stats(9)
         assert [loaded.sample(3, 2) for _ in range(5)] == expected
+        again = loaded.groups[5][-1].trajectory()  # a loaded item's duplicate replaces it
+        loaded.add(dataclasses.replace(again, reward=9.0, version=20))
+        assert len(loaded) == len(buf) and loaded.groups[5][-1].reward == 9.0
     future = buf.state_dict()
     future["format"] = 3
     with pytest.raises(ValueError, match="state format 3"):
