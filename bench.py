@@ -21,6 +21,11 @@ publish            a trainer publish plus a searcher's load (another process, sh
 data_parallel      trainer steps/s of 1 and of 2 data-parallel ranks (torchrun's environment, gloo
                    on loopback, one thread each) on one fixed batch, no searchers: rank 0 hands
                    out the groups, each rank scores its share, DDP sums the gradients.
+intake             the trainer's intake of trajectories: ReplayBuffer.add per second and bytes held
+                   per trajectory at 20,000 prompts x 20 responses of 128 tokens, unpickling a
+                   searcher's batch, and state_dict / torch.save / torch.load(weights_only) /
+                   load_state_dict seconds, beside what 64 searchers deliver (INTAKE_REQUIRED_S);
+                   `--intake_reference old_buffer.py` measures another buffer.py the same way.
 machine            versions, cores, and how much two processes gain over one right now (2.0 on
                    two idle cores): asynchrony overlaps two processes, so it needs that gain.
 """
@@ -75,6 +80,12 @@ LLAMA_110M = dict(
     tie_word_embeddings=True,
 )
 LLAMA_26M = dict(hidden=512, layers=8, heads=8)  # over the char vocabulary: the engines' bench
+# What 64 searchers deliver (the paper's largest red-teaming run: 64 GPUs), as trajectories of 128
+# response tokens per second, over-estimated: each searcher a GPU decoding a GPT-2-scale (124M)
+# policy with vLLM at 100,000 tokens/s (batch 256 at ~2.5 ms per decode step, bound by per-step
+# scheduling: the H100's memory roofline for 248 MB of fp16 weights is ~13,000 steps/s) and
+# spending no time on rewards or reference log-probs: 64 * 100,000 / 128 = 50,000 per second.
+INTAKE_REQUIRED_S = 64 * 100_000 / 128
 
 
 def log(msg: str) -> None:
@@ -684,6 +695,131 @@ def bench_data_parallel(root: str, reps: int, steps: int) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------- intake
+
+
+def _load_buffer_module(path: str):
+    spec = importlib.util.spec_from_file_location(f"buffer_under_test_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickle look classes up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _random_batch(module, prompt_ids, prompts: dict, tokens: int, version: int, rng) -> list:
+    """One response per prompt, as a searcher's batch arrives: fresh Python int lists."""
+    return [
+        module.Trajectory(
+            pid,
+            list(prompts[pid]),
+            [rng.randrange(50257) for _ in range(tokens)],
+            rng.random(),
+            -50.0,
+            version,
+        )
+        for pid in prompt_ids
+    ]
+
+
+def bench_intake(
+    path: str, prompts: int = 20_000, per_prompt: int = 20, tokens: int = 128, prompt_len: int = 64
+) -> dict:
+    """A buffer.py (``path``) filled with ``per_prompt`` rounds of one response per prompt
+    (versions rising every 5 rounds, capacity 100): microseconds per add over the fill and in its
+    last round; bytes held per trajectory (tracemalloc, a tenth of the prompts); unpickling a
+    searcher's batch (mp.Queue.get's share of the intake); and the state's round trip."""
+    import gc
+    import io
+    import pickle
+    import random
+    import tracemalloc
+
+    module = _load_buffer_module(path)
+    rng = random.Random(0)
+    prompt_tokens = {p: [rng.randrange(50257) for _ in range(prompt_len)] for p in range(prompts)}
+    out: dict = {"prompts": prompts, "per_prompt": per_prompt, "response_tokens": tokens}
+
+    # Bytes held: everything the buffer keeps of what arrived, inputs dropped.
+    few = range(prompts // 10)
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    buf = module.ReplayBuffer(capacity=100)
+    for r in range(per_prompt):
+        for traj in _random_batch(module, few, prompt_tokens, tokens, r // 5, rng):
+            buf.add(traj)
+    gc.collect()
+    out["bytes_per_trajectory"] = (tracemalloc.get_traced_memory()[0] - base) / len(buf)
+    tracemalloc.stop()
+    del buf
+
+    # Wall-clock and CPU seconds (process_time: without the time the process waited for a core,
+    # which on a shared machine is most of the difference).
+    buf = module.ReplayBuffer(capacity=100)
+    seconds = []
+    cpu_s = 0.0
+    for r in range(per_prompt):
+        batch = _random_batch(module, range(prompts), prompt_tokens, tokens, r // 5, rng)
+        t0, c0 = time.perf_counter(), time.process_time()
+        for traj in batch:
+            buf.add(traj)
+        seconds.append(time.perf_counter() - t0)
+        cpu_s += time.process_time() - c0
+    out["trajectories"] = len(buf)
+    out["add_us"] = sum(seconds) / len(buf) * 1e6
+    out["add_cpu_us"] = cpu_s / len(buf) * 1e6
+    out["add_us_last_round"] = seconds[-1] / prompts * 1e6
+    out["add_per_s"] = 1e6 / out["add_us"]
+
+    # Full groups (capacity 100 of a long run): every add also evicts; old layouts scan the group.
+    full = module.ReplayBuffer(capacity=100)
+    few = range(prompts // 40)
+    full_s = full_cpu_s = 0.0
+    for r in range(120):
+        batch_r = _random_batch(module, few, prompt_tokens, tokens, r // 5, rng)
+        t0, c0 = time.perf_counter(), time.process_time()
+        for traj in batch_r:
+            full.add(traj)
+        full_s += (time.perf_counter() - t0) if r >= 100 else 0.0
+        full_cpu_s += (time.process_time() - c0) if r >= 100 else 0.0
+    out["add_us_full_groups"] = full_s / (20 * len(few)) * 1e6
+    out["add_cpu_us_full_groups"] = full_cpu_s / (20 * len(few)) * 1e6
+    del full, batch_r
+
+    message = pickle.dumps(batch[:1000])
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(5):
+        pickle.loads(message)
+    out["unpickle_us"] = (time.perf_counter() - t0) / 5000 * 1e6
+    out["unpickle_cpu_us"] = (time.process_time() - c0) / 5000 * 1e6
+    out["intake_per_s"] = 1e6 / (out["add_us"] + out["unpickle_us"])
+    out["intake_cpu_per_s"] = 1e6 / (out["add_cpu_us"] + out["unpickle_cpu_us"])
+    out["required_per_s"] = INTAKE_REQUIRED_S
+
+    t0 = time.perf_counter()
+    buf.sample(7, 20)
+    out["sample_ms"] = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    state = buf.state_dict()
+    out["state_dict_s"] = time.perf_counter() - t0
+    file = io.BytesIO()
+    t0 = time.perf_counter()
+    torch.save(state, file)
+    out["save_s"] = time.perf_counter() - t0
+    out["checkpoint_mb"] = file.tell() / 1e6
+    del state
+    file.seek(0)
+    t0 = time.perf_counter()
+    state = torch.load(file, weights_only=True)
+    out["load_s"] = time.perf_counter() - t0
+    copy = module.ReplayBuffer()
+    t0 = time.perf_counter()
+    copy.load_state_dict(state)
+    out["load_state_dict_s"] = time.perf_counter() - t0
+    assert len(copy) == len(buf)
+    return out
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -751,8 +887,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke test with the same keys")
     parser.add_argument(
         "--sections",
-        default="time_to_accuracy,staleness,engines,publish",
+        default="time_to_accuracy,staleness,engines,publish,intake",
         help="comma list of the sections to run (also: data_parallel)",
+    )
+    parser.add_argument(
+        "--intake_reference",
+        default=None,
+        help="intake: another buffer.py to measure the same way (e.g. from git show REV:buffer.py)",
     )
     parser.add_argument("--seeds", type=int, default=3, help="seeds per mode for time to accuracy")
     parser.add_argument("--budget", type=float, default=120.0, help="seconds of training per run")
@@ -851,6 +992,16 @@ def main() -> None:
             if torch.cuda.is_available():
                 res["publish_cuda_ipc"] = bench_publish(3, device="cuda:0")
             print(f"publish: {json.dumps(res['publish'])}")
+        if "intake" in sections:
+            size = dict(prompts=2000) if args.quick else {}
+            buffers = {"intake": "buffer.py", "intake_reference": args.intake_reference}
+            for key, path in buffers.items():
+                if path is not None:
+                    log(f"intake: {path}")
+                    res[key] = bench_intake(str(Path(__file__).parent / path), **size)
+                    speedup = parallel_speedup(1.0 if args.quick else 3.0)
+                    res[key]["parallel_speedup_after"] = speedup
+                    print(f"{key} ({path}): {json.dumps(res[key])}")
     res["total_runtime_s"] = time.monotonic() - start
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"total {res['total_runtime_s']:.0f} s; results in {args.out}")

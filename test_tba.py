@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import pickle
 import random
+import re
 import signal
 import socket
 import statistics
@@ -83,6 +84,7 @@ from tba import (
 )
 from trainer import (
     DataParallel,
+    Intake,
     SearcherFailed,
     SearcherPool,
     Trainer,
@@ -898,6 +900,144 @@ def test_buffer_state_round_trips_grpo_log_probs_and_reads_older_states(tmp_path
     assert copy.groups[0][0].logprobs is None and copy.groups[0][0].response_tokens == [7, 8, 1]
 
 
+class ListLayoutBuffer(ReplayBuffer):
+    """The slow reference: ReplayBuffer.add as it was before items were packed (Trajectory
+    records holding lists, deduplication by tuples, a sort per add), with the same sampling."""
+
+    def add(self, traj: Trajectory) -> None:
+        group = self.groups.pop(traj.prompt_id, [])
+        self.groups[traj.prompt_id] = group
+        self._fresh.add(traj.prompt_id)
+        if group:
+            traj = dataclasses.replace(traj, prompt_tokens=group[0].prompt_tokens)
+        key = tuple(traj.response_tokens)
+        gone = [t for t in group if tuple(t.response_tokens) == key]
+        group[:] = [t for t in group if tuple(t.response_tokens) != key] + [traj]
+        group.sort(key=lambda t: t.version)
+        gone += group[: -self.capacity]
+        del group[: -self.capacity]
+        for t in gone:
+            self._per_version[t.version] -= 1
+        self._per_version[traj.version] += 1
+        self.num_added += 1
+        self.newest_version = max(self.newest_version, traj.version)
+
+    def _unpacked(self, items: list) -> list[Trajectory]:
+        return list(items)
+
+
+def test_buffer_packed_layout_draws_what_the_list_layout_drew():
+    """Packed items change no draw: against the list layout, the same seed gives the same
+    prompts, items and flags through duplicates, out-of-order versions, evictions, syncs and
+    every kind of sample, and the same stored groups."""
+    rng = random.Random(0)
+    kwargs = dict(capacity=5, mop_prob=0.6, inv_temp=1.5, seed=7)
+    packed, reference = ReplayBuffer(**kwargs), ListLayoutBuffer(**kwargs)
+    version = 0
+    draws = 0
+    for i in range(1500):
+        version += rng.random() < 0.02
+        # a few short responses over a small vocabulary: many duplicates
+        tokens = [rng.randrange(4) for _ in range(rng.randint(1, 3))]
+        t = Trajectory(
+            rng.randrange(40),
+            [rng.randrange(9), 70000],
+            tokens,
+            round(rng.uniform(-2, 2), 1),
+            -rng.random(),
+            max(0, version - rng.randrange(3)),  # some arrive out of order
+        )
+        packed.add(t)
+        reference.add(t)
+        if i % 200 == 199:
+            packed.mark_sync()
+            reference.mark_sync()
+        if i % 10 == 9 and len(packed.groups) >= 4:
+            for shape, bound in (
+                ((4, 3), {}),
+                ((4, 3), {"min_version": version - 1}),
+                ((2, 2), {"version": version}),
+            ):
+                try:
+                    drawn = packed.sample(*shape, **bound)
+                except ValueError as error:  # too few eligible prompts: the same for both
+                    with pytest.raises(ValueError, match=re.escape(str(error))):
+                        reference.sample(*shape, **bound)
+                    continue
+                assert drawn == reference.sample(*shape, **bound)
+                draws += 1
+    assert draws > 300
+    assert list(packed.groups) == list(reference.groups)
+    for pid, group in packed.groups.items():
+        assert [t.trajectory() for t in group] == reference.groups[pid]
+    assert packed.stats(version) == reference.stats(version)
+
+
+def test_buffer_packs_tokens_exactly_and_shares_a_prompt():
+    buf = ReplayBuffer(capacity=3)
+    tokens = [0, 1, 50256, 151_000, 2**31 - 1]
+    logprobs = [-0.1, -1e-300, -123.456789012345, -0.0, -7.0]
+    buf.add(Trajectory("p", [3, 151_646], tokens, 1.0, -2.5, 4, logprobs, logprobs[::-1]))
+    buf.add(Trajectory("p", [9, 9, 9], [5], 0.0, -1.0, 4))  # the group's first prompt is kept
+    first, second = buf.groups["p"]
+    assert first.response_tokens == tokens and first.logprobs == logprobs
+    assert first.ref_token_logprobs == logprobs[::-1] and second.logprobs is None
+    assert first.prompt is second.prompt and second.prompt_tokens == [3, 151_646]
+    assert len(first.response) == 4 * len(tokens)  # int32, not Python ints
+    (group,), _ = buf.sample(1, 3, version=4)
+    assert all(isinstance(t, Trajectory) for t in group)
+    assert Trajectory("p", [3, 151_646], tokens, 1.0, -2.5, 4, logprobs, logprobs[::-1]) in group
+    with pytest.raises(OverflowError):
+        buf.add(Trajectory("q", [1], [2**31], 0.0, 0.0, 0))
+
+
+def test_buffer_packed_state_round_trips_and_reads_the_list_format(tmp_path):
+    """A packed state loads (weights_only) to the same items, prompts shared, and draws the same;
+    a state of the list format (before packing) loads to the same buffer; an unknown format
+    is a clear error."""
+    buf = ReplayBuffer(capacity=4, mop_prob=0.5, inv_temp=1.0, seed=2)
+    reference = ListLayoutBuffer(capacity=4, mop_prob=0.5, inv_temp=1.0, seed=2)
+    rng = random.Random(1)
+    for i in range(300):
+        logprobs = [rng.uniform(-5, 0) for _ in range(3)] if i % 3 else None
+        t = Trajectory(
+            (i % 17, "x") if i % 2 else i % 17,  # tuple ids come back as tuples
+            [i % 17, 70000],
+            [rng.randrange(100_000) for _ in range(rng.randint(1, 4))],
+            rng.random(),
+            -rng.random(),
+            i // 40,
+            logprobs,
+            logprobs,
+        )
+        buf.add(t)
+        reference.add(t)
+    buf.sample(3, 2)
+    reference.sample(3, 2)
+    torch.save(buf.state_dict(), tmp_path / "buf.pt")
+    old_format = buf.state_dict()  # as ReplayBuffer.state_dict wrote it before packing
+    del old_format["format"], old_format["packing"]
+    old_format["groups"] = [[pid, [vars(t) for t in g]] for pid, g in reference.groups.items()]
+    torch.save(old_format, tmp_path / "old.pt")
+    expected = [reference.sample(3, 2) for _ in range(5)]
+    for name in ("buf.pt", "old.pt"):
+        loaded = ReplayBuffer()
+        loaded.load_state_dict(torch.load(tmp_path / name, weights_only=True))
+        assert list(loaded.groups) == list(buf.groups)
+        for pid, group in buf.groups.items():
+            assert [t.trajectory() for t in loaded.groups[pid]] == [t.trajectory() for t in group]
+            assert all(t.prompt is loaded.groups[pid][0].prompt for t in loaded.groups[pid])
+        assert loaded.stats(9) == buf.stats(9)
+        assert [loaded.sample(3, 2) for _ in range(5)] == expected
+        again = loaded.groups[5][-1].trajectory()  # a loaded item's duplicate replaces it
+        loaded.add(dataclasses.replace(again, reward=9.0, version=20))
+        assert len(loaded) == len(buf) and loaded.groups[5][-1].reward == 9.0
+    future = buf.state_dict()
+    future["format"] = 3
+    with pytest.raises(ValueError, match="state format 3"):
+        ReplayBuffer().load_state_dict(future)
+
+
 # ========================================================================================== rewards
 
 
@@ -1224,10 +1364,11 @@ def check_grpo_run(out: Path, steps: int, on_policy_tol: float | None) -> None:
             assert r["grpo/clip_frac"] == 0
     assert rows[0]["grpo/kl"] < 1e-6 and rows[-1]["grpo/kl"] > rows[0]["grpo/kl"]
     state = torch.load(out / "checkpoint.pt", weights_only=True)["trainer"]["buffer"]
-    items = [t for _, group in state["groups"] for t in group]
+    buffer = ReplayBuffer()
+    buffer.load_state_dict(state)
+    items = [t for group in buffer.groups.values() for t in group]
     assert items and all(
-        len(t["logprobs"]) == len(t["ref_token_logprobs"]) >= len(t["response_tokens"]) - 1
-        for t in items
+        len(t.logprobs) == len(t.ref_token_logprobs) >= len(t.response_tokens) - 1 for t in items
     )
 
 
@@ -1549,6 +1690,55 @@ def test_pool_waits_for_every_searcher_to_be_ready_and_names_the_late_one(tiny_m
     finally:
         pool.queue.cancel_join_thread()
         pool.queue.close()
+
+
+class ScriptedPool:
+    """SearcherPool's side of the intake (drain, handle, metrics) replaying a script: batches of
+    trajectories, then an exception, as SearcherPool.handle raises SearcherFailed."""
+
+    def __init__(self, script: list):
+        self.script = script
+
+    def drain(self, timeout: float) -> list:
+        time.sleep(min(timeout, 0.001))
+        return [self.script.pop(0)] if self.script else []
+
+    def handle(self, messages: list) -> list[Trajectory]:
+        trajectories = []
+        for message in messages:
+            if isinstance(message, BaseException):
+                raise message
+            trajectories += message
+        return trajectories
+
+    def metrics(self) -> dict[str, float]:
+        return {"async/batches_in": 0.0}
+
+
+def test_intake_thread_adds_while_the_trainer_samples_and_raises_failures_on_the_main_thread():
+    """The intake thread fills the buffer while this thread samples it (no torn state), and a
+    searcher failure it meets is raised here, where run_tba's loop calls wait()."""
+    batches = [[traj(b % 500, [b, j], version=b // 500) for j in range(8)] for b in range(1000)]
+    failure = SearcherFailed("searcher 1 failed (raised); 2 restarts used of 2")
+    buffer = ReplayBuffer(capacity=10, mop_prob=0.5, seed=0)
+    intake = Intake(ScriptedPool([*batches, failure]), buffer, poll_s=0.01)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # interleave the two threads' adds and draws finely
+    with time_limit(20), contextlib.ExitStack() as stack:
+        stack.callback(sys.setswitchinterval, switch)
+        intake.start()
+        draws = 0
+        with pytest.raises(SearcherFailed, match="2 restarts used of 2"):
+            while True:
+                intake.wait(timeout=0.01)
+                if len(buffer.groups) >= 4:
+                    groups, _ = buffer.sample(4, 3)
+                    assert all(len({t.prompt_id for t in g}) == 1 for g in groups)
+                    draws += 1
+        intake.stop()
+    assert draws > 0 and not intake.thread.is_alive()
+    assert buffer.num_added == 1000 * 8 and len(buffer) == 500 * 10  # every batch in, some evicted
+    assert intake.metrics() == {"async/batches_in": 0.0}
 
 
 def test_pool_does_not_restart_a_searcher_whose_weights_did_not_arrive(tiny_model_dir):

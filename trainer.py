@@ -1,11 +1,12 @@
 """The trainer (steps 2-5 of tba.py's algorithm) and ``run_tba``, which runs the whole system.
 
 ``run_tba`` starts the searcher processes (step 1), waits until each is ready, then loads the
-trainer's model, publishes it, and loops here over 2 drain the queue into the replay buffer ->
-3 sample P groups of K -> 4 the loss (TB, or the GRPO baseline), AdamW step -> 5 every k steps
-publish the weights to the ``WeightStore``. Every wait has a timeout; a failed searcher is
-restarted (``max_searcher_restarts`` in all) unless its weights did not arrive; on any exit
-every child is joined and, once the trainer is loaded, a checkpoint written.
+trainer's model, publishes it, and loops here over 2 the queue drained into the replay buffer
+(by a thread, ``Intake``) -> 3 sample P groups of K -> 4 the loss (TB, or the GRPO baseline),
+AdamW step -> 5 every k steps publish the weights to the ``WeightStore``. Every wait has a
+timeout; a failed searcher is restarted (``max_searcher_restarts`` in all) unless its weights
+did not arrive; on any exit every child is joined and, once the trainer is loaded, a checkpoint
+written.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import queue as queue_lib
 import signal
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -663,8 +665,13 @@ class SearcherPool:
     def collect(self, timeout: float = 0.0) -> list[Trajectory]:
         """The trajectories of every batch waiting (after up to ``timeout`` s for the first
         message). Also handles failures (restart or raise) and records batch statistics."""
+        return self.handle(self.drain(timeout))
+
+    def handle(self, messages: list[Ready | Batch | Failure]) -> list[Trajectory]:
+        """``collect``'s work on drained messages: the trajectories; failures restarted or
+        raised (SearcherFailed), readiness and batch statistics recorded."""
         trajectories = []
-        for message in self.drain(timeout):
+        for message in messages:
             if isinstance(message, Failure):
                 self.last_error[message.rank] = message.traceback
                 why = "raised" if message.restartable else "its weights did not arrive"
@@ -734,6 +741,68 @@ class SearcherPool:
         return messages
 
 
+class Intake:
+    """2. The searchers' queue drained into the buffer on a thread of its own, so that unpickling
+    batches and adding them overlap the trainer's step (torch releases the GIL while it
+    computes); the buffer locks itself. While the thread runs it owns the pool: the main thread
+    reads the pool's metrics through ``metrics()``, and an error the thread meets (SearcherFailed
+    once no restart is left, or any other) ends the thread and is raised on the main thread by
+    ``check()`` and ``wait()``, which the trainer's loop calls before every step and while it
+    waits for data."""
+
+    def __init__(self, pool: SearcherPool, buffer: ReplayBuffer, poll_s: float = 0.05):
+        self.pool = pool
+        self.buffer = buffer
+        self.poll_s = poll_s
+        self.lock = threading.Lock()  # the pool's state: messages handled vs metrics read
+        self.arrived = threading.Event()  # set when trajectories were added (or on an error)
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="tba-intake", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                messages = self.pool.drain(self.poll_s)  # waits without holding the lock
+                with self.lock:
+                    trajectories = self.pool.handle(messages)
+                self.buffer.extend(trajectories)
+                if trajectories:
+                    self.arrived.set()
+        except BaseException as error:  # noqa: BLE001 (raised on the main thread by check())
+            self.error = error
+            self.arrived.set()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def check(self) -> None:
+        """Raise the error that ended the thread, if one did."""
+        if self.error is not None:
+            raise self.error
+        if not self.thread.is_alive() and not self.stopping.is_set():
+            raise RuntimeError("the intake thread ended without an error")
+
+    def wait(self, timeout: float) -> None:
+        """Up to ``timeout`` s for trajectories to arrive; raises the thread's error."""
+        self.arrived.wait(timeout)
+        self.arrived.clear()
+        self.check()
+
+    def metrics(self) -> dict[str, float]:
+        with self.lock:
+            return self.pool.metrics()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the thread (it finishes the messages in hand, a searcher's restart included); the
+        pool is the caller's again."""
+        self.stopping.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise TimeoutError(f"the intake thread did not stop within {timeout}s")
+
+
 # ----------------------------------------------------------------------------- the run
 
 
@@ -791,6 +860,7 @@ def run_tba(
     for sig in (signal.SIGINT, signal.SIGTERM):
         old_handlers[sig] = signal.signal(sig, _raise_keyboard_interrupt)
     trainer = None  # set once loaded (and resumed): only then is a checkpoint written on exit
+    intake = None
     bar = None
     try:
         pool.start()  # 1. the searchers run from here on, in their own processes
@@ -801,6 +871,8 @@ def run_tba(
         if dp is not None:
             dp.check_same(trainer)
         trainer.publish(store)  # the first version: searchers wait for it before generating
+        intake = Intake(pool, trainer.buffer)
+        intake.start()
         started = time.time()  # wall_time counts training, not start-up
         bar = tqdm(
             total=cfg.total_steps,
@@ -811,9 +883,9 @@ def run_tba(
         )
         with open(metrics_path, "a") as metrics_file:
             while trainer.step < cfg.total_steps:
-                # 2. Drain the queue into the buffer; wait only when the trainer may not step.
+                # 2. The intake thread fills the buffer; wait only when the trainer may not step.
                 t0 = time.perf_counter()
-                trainer.buffer.extend(pool.collect())
+                intake.check()
                 deadline = time.monotonic() + cfg.timeout_s
                 while not trainer.ready():
                     if time.monotonic() > deadline:
@@ -823,7 +895,7 @@ def run_tba(
                             f"{trainer.buffer.newest_version} (max_lag {cfg.max_lag}, "
                             f"max_train_lag {cfg.max_train_lag})"
                         )
-                    trainer.buffer.extend(pool.collect(timeout=0.2))
+                    intake.wait(timeout=0.2)
                 wait_s = time.perf_counter() - t0
 
                 metrics = trainer.train_step()  # 3-4. sample, TB loss, AdamW step
@@ -834,7 +906,7 @@ def run_tba(
 
                 metrics = {"step": trainer.step, "wall_time": time.time() - started, **metrics}
                 metrics.update(trainer.buffer.stats(trainer.step))
-                metrics.update(pool.metrics())
+                metrics.update(intake.metrics())
                 metrics["time/wait"] = wait_s
                 metrics["time/publish"] = publish_s
                 metrics["memory/trainer_peak_gb"] = peak_memory_gb(device)
@@ -860,6 +932,8 @@ def run_tba(
             # Data parallel: torchrun ends every rank with SIGTERM once one has failed, and
             # SIGKILL 30 s later; the checkpoint is written first.
             signal.signal(sig, signal.SIG_IGN if dp is not None else handler)
+        if intake is not None:
+            intake.stop()  # then nothing adds to the buffer, and the pool is this thread's
         pool.stop()  # children first: every process of the run is gone before the save
         if trainer is not None:
             trainer.save(ckpt_path)
