@@ -241,7 +241,7 @@ TINY_TASK = dict(
     train=2000,
     test=200,
     val=100,
-    preference_pairs=600,  # labelled pairs the proxy reward model is fitted to
+    preference_pairs=1000,  # labelled pairs the proxy reward model is fitted to
     heldout_pairs=400,  # pairs that measure its agreement with the gold scorer
 )
 # The hidden gold scorer: importance of each distinct post word named, minus a cost per word
@@ -262,13 +262,13 @@ TINY_PRESET: dict = dict(
     searcher_batch_prompts=16,
     temperature=0.7,
     max_new_tokens=32,
-    lr=2e-4,
+    lr=5e-4,
     warmup_steps=5,
     stable_steps=10_000,
     decay_steps=0,
-    total_steps=150,
-    beta_start=0.05,
-    beta_end=0.05,
+    total_steps=250,
+    beta_start=0.1,
+    beta_end=0.1,
     beta_anneal_steps=0,
     mop_prob=0.95,
     sync_every=1,
@@ -286,7 +286,7 @@ TINY_PRESET: dict = dict(
     eval_subset=100,
     eval_samples=0,
     eval_batch_size=100,
-    checkpoint_every=75,
+    checkpoint_every=125,
     timeout_s=300.0,
 )
 
@@ -375,44 +375,34 @@ def tiny_gold() -> GoldScorer:
     return GoldScorer(gold_importance(tiny_words(TINY_TASK["vocabulary"])), **GOLD_COSTS)
 
 
+@dataclasses.dataclass
 class ProxyRewardModel:
     """The learned reward of TL;DR tiny (a reward plug-in with ``batch``): a linear
-    Bradley-Terry model over word counts, ``sum_v weight_v * count_v`` over the post words v a
-    summary names plus ``stranger_weight`` per word not in the post. It counts words, where
-    the gold scorer counts distinct words: repeating a good word fools it."""
+    Bradley-Terry model, ``sum_v weight_v * count_v`` over the post words v a summary names,
+    plus ``stranger_weight`` per word not in the post and ``repeat_weight`` per repeated word.
+    Fitted to a few hundred noisy labels, its word weights are off, and a repeat of a word it
+    overrates can still pay: it can be over-optimised."""
 
-    def __init__(self, words: list[str], weights: list[float], stranger_weight: float):
-        self.words = list(words)
-        self.weights = list(weights)
-        self.stranger_weight = stranger_weight
+    words: list[str]
+    weights: list[float]
+    stranger_weight: float
+    repeat_weight: float
 
     def __call__(self, completion: str, example: dict) -> float:
         post = set(example["post_words"])
         weight = dict(zip(self.words, self.weights, strict=True))
-        return sum(weight[w] if w in post else self.stranger_weight for w in completion.split())
+        said = completion.split()
+        named = sum(weight[w] if w in post else self.stranger_weight for w in said)
+        return named + self.repeat_weight * (len(said) - len(set(said)))
 
     def batch(self, completions: list[str], examples: list[dict]) -> list[float]:
         return [self(c, ex) for c, ex in zip(completions, examples, strict=True)]
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(_ProxyState(self.words, self.weights, self.stranger_weight))
-
-    @classmethod
-    def from_json(cls, state: dict) -> ProxyRewardModel:
-        return cls(state["words"], state["weights"], state["stranger_weight"])
-
-
-@dataclasses.dataclass
-class _ProxyState:
-    words: list[str]
-    weights: list[float]
-    stranger_weight: float
 
 
 def labeller_pair(row: dict, importance: dict, vocabulary: list[str], rng: random.Random):
     """Two candidate summaries of a post as a labeller would see them: human summaries, each
     edited with some probability (a word dropped, a post word added, a stranger added), so the
-    pairs cover more than the references do. Never a repeated word."""
+    pairs cover more than the references do (a word repeated now and then)."""
     out = []
     for _ in range(2):
         words = human_summary(row["post_words"], importance, rng).split()
@@ -426,6 +416,8 @@ def labeller_pair(row: dict, importance: dict, vocabulary: list[str], rng: rando
         elif edit < 0.5:
             strangers = [w for w in vocabulary if w not in row["post_words"]]
             words.insert(rng.randrange(len(words) + 1), rng.choice(strangers))
+        elif edit < 0.55:
+            words.insert(rng.randrange(len(words) + 1), rng.choice(words))
         out.append(" " + " ".join(words))
     return out
 
@@ -446,12 +438,15 @@ def preference_pairs(count: int, seed: int) -> list[tuple[dict, str, str]]:
 
 
 def proxy_features(summary: str, row: dict, words: list[str]) -> list[float]:
-    """Counts of each vocabulary word named from the post, then the count of strangers."""
+    """Counts of each vocabulary word named from the post, the count of strangers, and the
+    count of repeats (words minus distinct words)."""
     post = set(row["post_words"])
-    counts = [0.0] * (len(words) + 1)
+    said = summary.split()
+    counts = [0.0] * (len(words) + 2)
     index = {w: i for i, w in enumerate(words)}
-    for w in summary.split():
+    for w in said:
         counts[index[w] if w in post else len(words)] += 1.0
+    counts[-1] = float(len(said) - len(set(said)))
     return counts
 
 
@@ -480,7 +475,7 @@ def train_proxy_reward(
         loss.backward()
         opt.step()
     weights = theta.detach().tolist()
-    return ProxyRewardModel(words, weights[:-1], weights[-1])
+    return ProxyRewardModel(words, weights[:-2], weights[-2], weights[-1])
 
 
 def agreement(judge, pairs: list[tuple[dict, str, str]]) -> float:
@@ -643,11 +638,11 @@ def tiny_reward_model(out_dir: Path) -> tuple[ProxyRewardModel, float]:
     path = out_dir / "reward_model.json"
     if path.exists():
         state = json.loads(path.read_text())
-        return ProxyRewardModel.from_json(state["model"]), state["agreement"]
+        return ProxyRewardModel(**state["model"]), state["agreement"]
     proxy = train_proxy_reward(preference_pairs(TINY_TASK["preference_pairs"], seed=11))
     agree = agreement(proxy, preference_pairs(TINY_TASK["heldout_pairs"], seed=12))
     out_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"model": proxy.to_json(), "agreement": agree}, indent=2))
+    path.write_text(json.dumps({"model": dataclasses.asdict(proxy), "agreement": agree}, indent=2))
     return proxy, agree
 
 
