@@ -44,6 +44,11 @@ The paper preset is the released run (bbartoldson/TBA, launch_training_gsm8k.sh:
   * max_grad_norm (0): no clipping. With r / beta between 71 and 250, clipping at 1.0 would
     bind nearly every step and change the effective learning rate.
 
+The TL;DR preset (run_tldr.py) is the released TL;DR run; its schedules need two knobs that
+the GSM8K run leaves at their defaults: decay_shape linear (transformers' default linear decay,
+no warmup) and beta_cut_step (beta anneals 1.0 -> 0.05 over 128 updates but drops to 0.05 at
+update 32). Its searchers score summaries with a reward model (rewards.RewardModelReward).
+
 The GRPO baseline (--loss grpo; ``grpo_loss``), run by the same searchers, buffer and trainer:
 the on-policy policy-gradient method TBA is compared with. It follows Hugging Face TRL's
 GRPOTrainer: DeepSeekMath's objective (Shao et al. 2024, Eq. 3: group-normalised advantages,
