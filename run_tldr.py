@@ -50,10 +50,10 @@ from transformers import AutoTokenizer
 from rewards import RewardModelReward
 from run_gsm8k import (
     CPU_VALUES,
+    TINY_MODEL,
     Evaluator,
     build_char_tokenizer,
     build_tiny_model,
-    check_prompt_lengths,
     cpu_config,
     gpu_placement,
     print_summary,
@@ -586,8 +586,6 @@ def tiny_sft(out_dir: Path, train: list[dict], val: list[dict], seed: int) -> st
     """The SFT warm start of TL;DR tiny: the tiny char-level Llama trained on the reference
     summaries until nearly all its greedy validation summaries name only post words; saved to
     ``out_dir/sft`` (cached: a rerun loads)."""
-    from run_gsm8k import TINY_MODEL
-
     path = out_dir / "sft"
     if (path / "config.json").exists():
         print(f"SFT warm start: cached at {path}")
@@ -724,9 +722,10 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = config_from_args(args, base)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if preset != "tiny":  # the data first: missing files are named before any model loads
+        train, test = load_tldr(cfg.data_dir)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     if preset != "tiny":
-        train, test = load_tldr(cfg.data_dir)
         train = drop_long_prompts(train, tokenizer, MAX_PROMPT_TOKENS, "train")
         test = drop_long_prompts(test, tokenizer, MAX_PROMPT_TOKENS, "validation")
         judge = RewardModelReward(
@@ -736,7 +735,6 @@ def main(argv: list[str] | None = None) -> dict:
             completion_suffix=EOS_TEXT,
             tokenizer_path=args.gold_tokenizer,
         )
-    check_prompt_lengths(train, tokenizer, None, cfg.max_new_tokens, "train")
     test = test[: cfg.eval_test_size or None]
     subset = test[: cfg.eval_subset]
     torch.manual_seed(cfg.seed)
