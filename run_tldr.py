@@ -95,7 +95,8 @@ PAPER_PRESET: dict = dict(
     model=f"mnoukhov/pythia{DEFAULT_SIZE}-sft-tldr",  # L: model_name_or_path = sft_model_path
     ref_model=f"mnoukhov/pythia{DEFAULT_SIZE}-sft-tldr",  # L: the SFT model is the reference
     # Y: fp16 generation (vLLM in float16); the trainer's Accelerator gets no mixed precision,
-    # so it trains the fp32 weights from_pretrained loads: fp32 master weights, fp16 compute.
+    # so it trains the fp32 weights from_pretrained loads, in fp32. One dtype serves both sides
+    # here: fp32 weights and moments, fp16 autocast compute.
     dtype="float16",
     fp32_master_weights=True,
     num_generations=20,  # C: rloo_k 20 x rloo_k_buffer_multiplier 1
