@@ -1021,6 +1021,13 @@ def test_reward_model_reward_with_tiny_classifier(tmp_path):
     both = reward.batch([" 12 + 3 = 15", " 1"], [{"prompt": "Q: 12 + 3?"}] * 2)
     assert both[0] == pytest.approx(a, abs=1e-5)  # padded in a batch, the same score
     assert pickle.loads(pickle.dumps(reward))._model is None  # weights never pickled
+    # A suffix restores what decoding stripped (TL;DR's EOS text); a separate tokenizer path.
+    model_only = tmp_path / "model_only"
+    GPT2ForSequenceClassification.from_pretrained(tmp_path).save_pretrained(model_only)
+    suffixed = RewardModelReward(
+        str(model_only), completion_suffix="5", tokenizer_path=str(tmp_path)
+    )
+    assert suffixed(" 12 + 3 = 1", {"prompt": "Q: 12 + 3?"}) == pytest.approx(a, abs=1e-5)
 
 
 # ================================================================== the system (multi-process, CPU)
