@@ -26,6 +26,9 @@ intake             the trainer's intake of trajectories: ReplayBuffer.add per se
                    searcher's batch, and state_dict / torch.save / torch.load(weights_only) /
                    load_state_dict seconds, beside what 64 searchers deliver (INTAKE_REQUIRED_S);
                    `--intake_reference old_buffer.py` measures another buffer.py the same way.
+tldr_staleness     TL;DR tiny (run_tldr's tiny preset) trained on data d versions stale in one
+                   process (the staleness section's controlled lag): the gold win rate of greedy
+                   summaries against the references, per loss and lag (--lags 0,15).
 machine            versions, cores, and how much two processes gain over one right now (2.0 on
                    two idle cores): asynchrony overlaps two processes, so it needs that gain.
 """
@@ -51,6 +54,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import run_tldr
 from buffer import Trajectory
 from rewards import gsm8k_reward
 from run_gsm8k import (
@@ -286,16 +290,31 @@ COLLAPSE_DROP = 0.2  # a collapse: accuracy falls this far below its best so far
 
 
 def staleness_run(
-    model_dir: str, loss: str, lag: int, seed: int, steps: int, overrides: dict
+    model_dir: str,
+    loss: str,
+    lag: int,
+    seed: int,
+    steps: int,
+    overrides: dict,
+    task: str = "gsm8k",
 ) -> dict:
     """Staleness in isolation, one process and no asynchrony: step t trains on a fresh batch
     (P prompts x N responses, the tiny preset's) generated with the trainer's weights of step
-    t - lag (the starting weights while t < lag). Returns greedy accuracy on the held-out sums
-    every STALE_EVAL_EVERY steps."""
+    t - lag (the starting weights while t < lag). Returns the score every STALE_EVAL_EVERY
+    steps: on ``task`` gsm8k greedy accuracy on the held-out sums; on tldr (run_tldr's tiny
+    preset, its proxy reward cached beside ``model_dir``) the gold win rate of greedy summaries
+    against the references, with their perplexity under the SFT model at the end."""
     torch.set_num_threads(1)
-    train, test, _ = tiny_task()
+    if task == "tldr":
+        train, test, _ = run_tldr.tiny_task()
+        preset = run_tldr.TINY_PRESET
+        reward_fn = run_tldr.tiny_reward_model(Path(model_dir).parent)[0]
+    else:
+        train, test, _ = tiny_task()
+        preset = TINY_PRESET
+        reward_fn = gsm8k_reward
     with tempfile.TemporaryDirectory(prefix="tba_stale_") as out:
-        values = {**TINY_PRESET, "model": model_dir, "seed": seed, "output_dir": out, "loss": loss}
+        values = {**preset, "model": model_dir, "seed": seed, "output_dir": out, "loss": loss}
         values.update(overrides)
         cfg = TBAConfig(**values)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -305,18 +324,30 @@ def staleness_run(
             rank=0,
             cfg=cfg,
             examples=train,
-            reward_fn=gsm8k_reward,
+            reward_fn=reward_fn,
             store=None,
             out_queue=None,
             stop_event=None,
             probe=None,
         )
         searcher = Searcher(setup)
-        evaluator = Evaluator(cfg, tokenizer)
+        if task == "tldr":
+            sft = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+            evaluator = run_tldr.SummaryEvaluator(cfg, tokenizer, run_tldr.tiny_gold(), sft)
+
+            def score(model):
+                return evaluator.evaluate(model, test)["win_rate"]
+
+        else:
+            evaluator = Evaluator(cfg, tokenizer)
+
+            def score(model):
+                return evaluator.accuracy(model, test)
+
         # The weights of the last lag + 1 versions; the oldest generates the next batch.
         versions = collections.deque(maxlen=lag + 1)
         versions.append(_weights_copy(trainer.model))
-        curve = [(0, evaluator.accuracy(trainer.model, test))]
+        curve = [(0, score(trainer.model))]
         generated_by = []  # the version of the weights that generated each step's batch
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -330,12 +361,15 @@ def staleness_run(
             trainer.update(groups)
             versions.append(_weights_copy(trainer.model))
             if trainer.step % STALE_EVAL_EVERY == 0 or trainer.step == steps:
-                curve.append((trainer.step, evaluator.accuracy(trainer.model, test)))
+                curve.append((trainer.step, score(trainer.model)))
+        final = evaluator.evaluate(trainer.model, test) if task == "tldr" else {}
     return {
         "loss": loss,
         "lag": lag,
         "seed": seed,
+        "task": task,
         "curve": curve,
+        "perplexity": final.get("perplexity"),
         "generated_by": generated_by,
         "seconds": time.perf_counter() - t0,
     }
@@ -436,10 +470,11 @@ def bench_staleness(
     jobs: int,
     overrides: dict,
     png: Path,
+    task: str = "gsm8k",
 ) -> dict:
     """Every (loss, lag, seed) run, ``jobs`` at a time in separate processes."""
     tasks = [
-        (model_dir, loss, lag, seed, steps, overrides)
+        (model_dir, loss, lag, seed, steps, overrides, task)
         for seed in seeds
         for loss in losses
         for lag in lags
@@ -879,6 +914,25 @@ def print_staleness(stale: dict) -> None:
     print(f"plot: {stale['plot']}")
 
 
+def print_tldr_staleness(stale: dict) -> None:
+    """Per loss and lag: the median final win rate over seeds, its spread, and the distance to
+    the on-policy (d = 0) median of the same loss."""
+    print("\nTL;DR tiny staleness (gold win rate of greedy summaries, final, over seeds)")
+    print(f"{'loss':<6}{'d':>4}{'median':>9}{'min':>7}{'max':>7}{'- d=0':>8}{'ppl':>12}")
+    by = collections.defaultdict(list)
+    for run in stale["runs"]:
+        by[(run["loss"], run["lag"])].append(run)
+    for (loss, lag), runs in sorted(by.items()):
+        finals = [r["curve"][-1][1] for r in runs]
+        base = [r["curve"][-1][1] for r in by.get((loss, 0), [])]
+        gap = statistics.median(finals) - statistics.median(base) if base else float("nan")
+        ppl = statistics.median(r["perplexity"] for r in runs)
+        print(
+            f"{loss:<6}{lag:>4}{statistics.median(finals):>9.3f}{min(finals):>7.3f}"
+            f"{max(finals):>7.3f}{gap:>+8.3f}{ppl:>12.4g}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -910,6 +964,11 @@ def main() -> None:
         "cached (all runs start from it; reused by later benches)",
     )
     parser.add_argument(
+        "--warm_start_tldr",
+        default="runs/bench_tldr",
+        help="tldr_staleness: where TL;DR tiny's SFT model and proxy reward are cached",
+    )
+    parser.add_argument(
         "--set",
         nargs="*",
         default=[],
@@ -935,7 +994,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tba_bench_models_") as root:
         if args.quick:  # an untrained model: the code paths, not the learning
             model_dir = save_tiny_model(Path(root) / "random")
-        elif {"time_to_accuracy", "staleness"} & set(sections):
+        elif {"time_to_accuracy", "staleness"}.isdisjoint(sections):
+            model_dir = ""  # no section needs the GSM8K warm start
+        else:
             train, _, val = tiny_task()
             model_dir = tiny_warm_start(Path(args.warm_start), train, val, seed=0)
         if "data_parallel" in sections:
@@ -979,6 +1040,24 @@ def main() -> None:
                 png=Path(args.out).with_name(Path(args.out).stem + "_staleness.png"),
             )
             print_staleness(res["staleness"])
+        if "tldr_staleness" in sections:
+            tldr_dir = Path(args.warm_start_tldr)
+            first_seed = args.stale_first_seed
+            res["tldr_staleness"] = bench_staleness(
+                save_tiny_model(Path(root) / "random_tldr")
+                if args.quick
+                else run_tldr.tiny_setup(tldr_dir)["model"],
+                losses=args.losses.split(","),
+                lags=[0, 2] if args.quick else [int(d) for d in args.lags.split(",")],
+                seeds=range(1) if args.quick else range(first_seed, first_seed + args.stale_seeds),
+                steps=4 if args.quick else args.stale_steps,
+                jobs=args.jobs,
+                overrides=overrides,
+                png=Path(args.out).with_name(Path(args.out).stem + "_tldr_staleness.png"),
+                task="tldr",
+            )
+            res["parallel_speedup_end"] = parallel_speedup(1.0 if args.quick else 3.0)
+            print_tldr_staleness(res["tldr_staleness"])
         if "engines" in sections:
             log("engines")
             res["engines"] = bench_engines(root, args.quick)

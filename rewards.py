@@ -100,7 +100,11 @@ class RewardModelReward:
     This is the plug-in for preference tuning (the paper's TL;DR task scores summaries with a
     reward model). The model loads lazily in the process that first calls it, so the object
     pickles cheaply into spawned searchers. ``example[prompt_key]`` is the prompt text; the score
-    is logit ``label_index`` of the classifier.
+    is logit ``label_index`` of the classifier on prompt + completion + ``completion_suffix``.
+    The suffix restores what decoding stripped: TL;DR reward models were trained, and are
+    evaluated, on summaries that end in the EOS text (``<|endoftext|>``). ``tokenizer_path``
+    names the tokenizer when the model's repository has none (empty: ``model_path``); a
+    tokenizer without a pad token pads with EOS, as the released TL;DR evaluation does.
     """
 
     def __init__(
@@ -111,6 +115,8 @@ class RewardModelReward:
         label_index: int = 0,
         max_length: int = 1024,
         trust_remote_code: bool = False,
+        completion_suffix: str = "",
+        tokenizer_path: str = "",
     ):
         self.model_path = model_path
         self.device = device
@@ -118,6 +124,8 @@ class RewardModelReward:
         self.label_index = label_index
         self.max_length = max_length
         self.trust_remote_code = trust_remote_code
+        self.completion_suffix = completion_suffix
+        self.tokenizer_path = tokenizer_path
         self._model = None
         self._tokenizer = None
 
@@ -130,7 +138,7 @@ class RewardModelReward:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(
-            self.model_path, trust_remote_code=self.trust_remote_code
+            self.tokenizer_path or self.model_path, trust_remote_code=self.trust_remote_code
         )
         self._model = (
             AutoModelForSequenceClassification.from_pretrained(
@@ -139,6 +147,9 @@ class RewardModelReward:
             .to(self.device)
             .eval()
         )
+        if self._tokenizer.pad_token is None:
+            self._tokenizer.pad_token = self._tokenizer.eos_token
+            self._model.config.pad_token_id = self._tokenizer.eos_token_id
 
     def __call__(self, completion: str, example: dict) -> float:
         return self.batch([completion], [example])[0]
@@ -149,7 +160,10 @@ class RewardModelReward:
 
         if self._model is None:
             self._load()
-        texts = [ex[self.prompt_key] + c for c, ex in zip(completions, examples, strict=True)]
+        texts = [
+            ex[self.prompt_key] + c + self.completion_suffix
+            for c, ex in zip(completions, examples, strict=True)
+        ]
         batch = self._tokenizer(
             texts, return_tensors="pt", padding=True, truncation=True, max_length=self.max_length
         ).to(self.device)

@@ -448,20 +448,27 @@ def choose_preset(name: str) -> tuple[str, dict]:
     if name == "tiny":
         return name, dict(TINY_PRESET)
     values = dict(PAPER_PRESET, **(SMOKE_PRESET if name == "smoke" else {}))
+    values.update(gpu_placement(gpus))
+    return name, values
+
+
+def gpu_placement(gpus: int) -> dict:
+    """TBAConfig values that place the processes on ``gpus`` CUDA GPUs: GPU 0 trains, each
+    other GPU holds a searcher; one GPU is shared (vLLM takes a slice); none: nothing set."""
     if gpus >= 2:
-        values.update(
+        return dict(
             num_searchers=gpus - 1,
             trainer_device="cuda:0",
             searcher_devices=",".join(f"cuda:{i}" for i in range(1, gpus)),
         )
-    elif gpus == 1:  # one GPU: a searcher shares it with the trainer (vLLM takes a slice)
-        values.update(
+    if gpus == 1:
+        return dict(
             num_searchers=1,
             trainer_device="cuda:0",
             searcher_devices="cuda:0",
             vllm_gpu_memory_utilization=0.35,
         )
-    return name, values
+    return {}
 
 
 def run_summary(out_dir: Path, mop_prob: float) -> dict:

@@ -44,6 +44,11 @@ The paper preset is the released run (bbartoldson/TBA, launch_training_gsm8k.sh:
   * max_grad_norm (0): no clipping. With r / beta between 71 and 250, clipping at 1.0 would
     bind nearly every step and change the effective learning rate.
 
+The TL;DR preset (run_tldr.py) is the released TL;DR run; its schedules need two knobs that
+the GSM8K run leaves at their defaults: decay_shape linear (transformers' default linear decay,
+no warmup) and beta_cut_step (beta anneals 1.0 -> 0.05 over 128 updates but drops to 0.05 at
+update 32). Its searchers score summaries with a reward model (rewards.RewardModelReward).
+
 The GRPO baseline (--loss grpo; ``grpo_loss``), run by the same searchers, buffer and trainer:
 the on-policy policy-gradient method TBA is compared with. It follows Hugging Face TRL's
 GRPOTrainer: DeepSeekMath's objective (Shao et al. 2024, Eq. 3: group-normalised advantages,
@@ -350,23 +355,31 @@ def grpo_metrics(
     }
 
 
-def beta_at(step: int, start: float, end: float, anneal_steps: int) -> float:
-    """Linear anneal of beta from ``start`` (step 0) to ``end`` (step >= anneal_steps)."""
-    if anneal_steps <= 0:
+def beta_at(step: int, start: float, end: float, anneal_steps: int, cut_step: int = 0) -> float:
+    """Linear anneal of beta from ``start`` (step 0) to ``end`` (step >= anneal_steps); with
+    ``cut_step`` > 0, ``end`` from that step on, wherever the line has reached (the released
+    TL;DR run anneals 1.0 -> 0.05 over 128 updates and cuts to 0.05 at update 32)."""
+    if anneal_steps <= 0 or 0 < cut_step <= step:
         return end
     return start + (end - start) * min(max(step, 0) / anneal_steps, 1.0)
 
 
-def wsd_lr_factor(step: int, warmup: int, stable: int, decay: int) -> float:
-    """Warmup-stable-decay multiplier of the peak lr, as transformers' ``get_wsd_schedule`` with
-    cosine decay (the released run's): linear from 0 over ``warmup`` steps, 1 for ``stable``
-    steps, cosine to 0 over ``decay`` steps, then 0. The trainer evaluates it at update t >= 1."""
+def wsd_lr_factor(step: int, warmup: int, stable: int, decay: int, shape: str = "cosine") -> float:
+    """Warmup-stable-decay multiplier of the peak lr, as transformers' ``get_wsd_schedule``:
+    linear from 0 over ``warmup`` steps, 1 for ``stable`` steps, then to 0 over ``decay`` steps
+    by a cosine (the released GSM8K run's) or a line (``shape="linear"``: with no warmup and
+    no stable phase, transformers' default linear schedule, the released TL;DR run's), then 0.
+    The trainer evaluates it at update t >= 1."""
     if step < warmup:
         return step / warmup
     step -= warmup + stable
     if step < 0:
         return 1.0
-    return 0.5 * (1.0 + math.cos(math.pi * step / decay)) if step < decay else 0.0
+    if step >= decay:
+        return 0.0
+    if shape == "linear":
+        return 1.0 - step / decay
+    return 0.5 * (1.0 + math.cos(math.pi * step / decay))
 
 
 # ----------------------------------------------------------------------------- 1c, 4. log-probs
@@ -771,6 +784,9 @@ class TBAConfig:
     decay_steps: int = _knob(
         600, "cosine decay-to-0 steps (released run: cut at step 700, at half the peak)"
     )
+    decay_shape: str = _knob(
+        "cosine", "shape of the lr decay: cosine (released GSM8K run) | linear (released TL;DR run)"
+    )
     total_steps: int = _knob(700, "trainer steps (released run: 98,000 episodes / 140 per step)")
     weight_decay: float = _knob(0.0, "AdamW weight decay")
     max_grad_norm: float = _knob(
@@ -786,6 +802,11 @@ class TBAConfig:
     beta_start: float = _knob(0.014, "KL strength beta at step 0")
     beta_end: float = _knob(0.004, "KL strength beta after the anneal")
     beta_anneal_steps: int = _knob(500, "steps of the linear beta anneal")
+    beta_cut_step: int = _knob(
+        0,
+        "from this step on beta is beta_end, wherever the anneal has reached (released TL;DR "
+        "run: 31); 0: no cut",
+    )
     gradient_checkpointing: bool = _knob(False, "trade trainer compute for activation memory")
     micro_batch_size: int = _knob(
         20,
@@ -877,6 +898,7 @@ class TBAConfig:
             "stable_steps",
             "decay_steps",
             "beta_anneal_steps",
+            "beta_cut_step",
             "initial_samples",
             "eval_every",
             "eval_subset",
@@ -938,6 +960,7 @@ class TBAConfig:
             ("engine", ("auto", "vllm", "hf")),
             ("weight_store", ("auto", "cuda", "shared_memory")),
             ("loss", ("tb", "grpo")),
+            ("decay_shape", ("cosine", "linear")),
         ):
             need(
                 getattr(self, name) in allowed,

@@ -298,7 +298,9 @@ class Trainer:
         # Update t = 1, 2, ... runs at factor(t), as the released code steps the scheduler first.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            lambda s: wsd_lr_factor(s + 1, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps),
+            lambda s: wsd_lr_factor(
+                s + 1, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.decay_shape
+            ),
         )
         self.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.mop_prob, cfg.inv_temp, cfg.seed)
         self.step = 0  # optimizer steps done = the version of the current weights
@@ -503,7 +505,9 @@ class Trainer:
         """4. One AdamW step on the loss of these P groups of K; the step count (the version)
         goes up by one. Returns the loss and optimisation metrics."""
         cfg = self.cfg
-        beta = beta_at(self.step, cfg.beta_start, cfg.beta_end, cfg.beta_anneal_steps)
+        beta = beta_at(
+            self.step, cfg.beta_start, cfg.beta_end, cfg.beta_anneal_steps, cfg.beta_cut_step
+        )
         self.optimizer.zero_grad(set_to_none=True)
         try:
             metrics = self.backward(groups, beta)
