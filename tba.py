@@ -819,6 +819,15 @@ class TBAConfig:
         3, "restarts allowed per run, all searchers together; one more failure stops it"
     )
     torch_threads: int = _knob(0, "torch CPU threads per process; 0: cores / processes")
+    # --- searcher nodes (README, "Searchers on other nodes") ---
+    listen: str = _knob(
+        "",
+        "HOST:PORT on which the trainer accepts searcher nodes (run_gsm8k.py --join HOST:PORT); "
+        "listens on that address only; empty: no nodes",
+    )
+    secret_file: str = _knob(
+        "", "file holding the shared secret of --listen and --join; empty: the TBA_SECRET variable"
+    )
     # --- run ---
     seed: int = _knob(0, "seed of trainer, buffer and searchers (searcher s uses seed + 1 + s)")
     output_dir: str = _knob("runs/gsm8k", "metrics.jsonl, results.json, checkpoints")
@@ -938,6 +947,11 @@ class TBAConfig:
                 getattr(self, name) in allowed,
                 f"{name} {getattr(self, name)!r} is not one of {allowed}",
             )
+        host, _, port = self.listen.rpartition(":")
+        need(
+            not self.listen or (bool(host) and port.isdigit()),
+            f"listen {self.listen!r} is not HOST:PORT",
+        )
         devices = len(self.searcher_device_list())
         need(
             devices in (1, self.num_searchers),
