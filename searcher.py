@@ -861,9 +861,10 @@ class VersionHeader:
 
 @dataclass
 class Bye:
-    """The run ended (or the node stops): the peer exits without waiting for a timeout."""
+    """The sender stops: the peer ends the link at once, without waiting for a timeout."""
 
     reason: str
+    clean: bool = True  # False: the trainer process is gone (a node then exits with an error)
 
 
 def read_secret(path: str) -> bytes:

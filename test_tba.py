@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import pickle
 import random
+import re
 import signal
 import socket
 import statistics
@@ -2005,7 +2006,7 @@ def test_killed_node_leaves_training_going_and_rejoins_with_the_newest_version(
         remote = metrics.get("searcher100/version")
         if "killed" not in seen:
             if remote is None:
-                time.sleep(0.3)  # hold the trainer until the node has delivered
+                time.sleep(1.0)  # hold the trainer until the node has delivered
                 return
             os.killpg(nodes[0].pid, signal.SIGKILL)  # the node's bridge and its searchers
             seen["killed"] = (trainer.step, remote)
@@ -2013,13 +2014,14 @@ def test_killed_node_leaves_training_going_and_rejoins_with_the_newest_version(
             seen["gone"] = trainer.step
             nodes.append(start_node(address, "--num_searchers", "1"))  # the same command
             seen["restarted"] = trainer.step
+            seen["remote_then"] = remote  # batches of the killed node may arrive until here
         elif "restarted" in seen and "rejoined" not in seen:
-            if remote == seen["killed"][1]:
-                time.sleep(0.3)  # hold the trainer until the restarted node has delivered
+            if metrics["nodes/connected"] == 0 or remote == seen["remote_then"]:
+                time.sleep(1.0)  # hold the trainer until the restarted node has delivered
                 return
             seen["rejoined"] = (trainer.step, remote)
 
-    cfg = node_run_cfg(tiny_model_dir, tmp_path, port, total_steps=400, timeout_s=120)
+    cfg = node_run_cfg(tiny_model_dir, tmp_path, port, total_steps=200, timeout_s=120)
     try:
         with time_limit(240):
             trainer = run_tba(
@@ -2030,7 +2032,8 @@ def test_killed_node_leaves_training_going_and_rejoins_with_the_newest_version(
         for node in nodes:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(node.pid, signal.SIGKILL)
-    assert trainer.step == 400 and "rejoined" in seen, seen
+            node.wait(timeout=10)
+    assert trainer.step == 200 and "rejoined" in seen, seen
     assert nodes[-1].returncode == 0 and "the run ended" in out
     assert session_pids(nodes[0].pid) == []  # the killed node's searchers followed it
     rows = read_metrics(tmp_path)
@@ -2038,11 +2041,14 @@ def test_killed_node_leaves_training_going_and_rejoins_with_the_newest_version(
     assert seen["restarted"] > seen["killed"][0] and rows[-1]["async/searcher_restarts"] == 0
     # The restarted node joined as the same node (ranks 100 +) with the newest version then:
     # published every k = 2 steps, so at least the version of the step it was started at - 1.
-    restarted_step, (rejoined_step, version) = seen["restarted"], seen["rejoined"]
+    restarted_step, version = seen["restarted"], seen["rejoined"][1]
     assert version >= restarted_step - 1 and version % 2 == 0
-    assert rows[rejoined_step - 1]["searcher100/checksum"] == pytest.approx(
-        trainer.published[int(version)], rel=1e-12
-    )
+    # Every version a node's searcher loaded is the trainer's, bit for bit (checksums).
+    checked = [r for r in rows if "searcher100/checksum" in r]
+    assert checked
+    for r in checked:
+        published = trainer.published[int(r["searcher100/version"])]
+        assert r["searcher100/checksum"] == pytest.approx(published, rel=1e-12)
     assert child_pids() == []
 
 
@@ -2082,7 +2088,7 @@ def test_killed_trainer_ends_every_node_process_and_resume_continues(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(node.pid, signal.SIGKILL)
-    assert "lost the trainer" in node.stdout.read()
+    assert re.search("the trainer process is gone|lost the trainer", node.stdout.read())
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["trainer"]["step"]
     resumed = start_cli_run(tiny_model_dir, tmp_path, "--total_steps", str(saved + 2), "--resume")
     out, _ = resumed.communicate(timeout=180)

@@ -827,6 +827,7 @@ class _Gateway:
     def __init__(self, setup: GatewaySetup):
         self.setup = setup
         self.closing = threading.Event()
+        self.goodbye = Bye("the run ended")  # what each node is told when closing is set
         self.lock = threading.Lock()
         self.names: dict[str, int] = {}  # node name -> the id it joined with first
         self.live: set[int] = set()
@@ -900,7 +901,7 @@ class _Gateway:
             link.send(self.welcome(node_id))
             link.last_heard = time.monotonic()
             self.serve_link(link)
-            link.send(Bye("the run ended"))
+            link.send(self.goodbye)
         except RunEnded as exc:
             self.log(f"{link.label} left: {exc}")
         except (EOFError, OSError, TimeoutError) as exc:
@@ -1004,6 +1005,8 @@ def gateway_main(setup: GatewaySetup) -> None:
     parent = multiprocessing.parent_process()
     while not setup.stop_event.is_set() and parent.is_alive():
         time.sleep(0.2)
+    if not parent.is_alive():
+        gateway.goodbye = Bye("the trainer process is gone", clean=False)
     gateway.closing.set()
     listener.close()
     time.sleep(0.3)  # the node threads say goodbye
@@ -1073,8 +1076,10 @@ class NodeBridge:
                 self.install(message)
             elif isinstance(message, Credit):
                 self.credit += message.count
-            elif isinstance(message, Bye):
+            elif isinstance(message, Bye) and message.clean:
                 raise RunEnded(message.reason)
+            elif isinstance(message, Bye):
+                raise NodeError(message.reason)
             elif not isinstance(message, Heartbeat):
                 raise TypeError(f"node: unexpected message {type(message).__name__}")
             self.last_heard = time.monotonic()
