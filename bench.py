@@ -18,6 +18,10 @@ engines            vLLM against the transformers engine on this CPU, on a Llama 
                    millions of parameters with 128-token responses: tokens/s and weight-load time.
 publish            a trainer publish plus a searcher's load (another process, shared memory or
                    CUDA IPC) over a raw copy of the same bytes.
+bridge             searcher nodes over loopback: a published version of a 110M-parameter Llama
+                   reaching a node (bytes/s) against a raw gloo send of the same bytes, and
+                   trajectories/s reaching the trainer's queue across the bridge against
+                   through the in-node queue; with the parallel speedup measured beside them.
 machine            versions, cores, and how much two processes gain over one right now (2.0 on
                    two idle cores): asynchrony overlaps two processes, so it needs that gain.
 """
@@ -32,6 +36,8 @@ import importlib.util
 import json
 import os
 import platform
+import random
+import secrets
 import statistics
 import sys
 import tempfile
@@ -42,6 +48,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from buffer import Trajectory
 from rewards import gsm8k_reward
 from run_gsm8k import (
     TINY_PRESET,
@@ -53,9 +60,19 @@ from run_gsm8k import (
     tiny_warm_start,
     to_examples,
 )
-from searcher import HFEngine, Searcher, SearcherSetup, VLLMEngine
+from searcher import (
+    SECRET_ENV,
+    Batch,
+    BatchStats,
+    HFEngine,
+    Join,
+    Searcher,
+    SearcherSetup,
+    VLLMEngine,
+    read_secret,
+)
 from tba import TBAConfig, WeightStore, pad_token_id
-from trainer import Trainer, run_tba
+from trainer import NodeBridge, NodeGateway, RunEnded, Trainer, connect, run_tba
 
 THRESHOLDS = (0.85, 0.90, 0.95)
 WINDOW_S = 30  # accuracy averaged over windows of this many seconds
@@ -576,6 +593,187 @@ def bench_publish(reps: int, device: str = "cpu", model_kwargs: dict = LLAMA_110
     }
 
 
+# ----------------------------------------------------------------------------- searcher nodes
+
+BRIDGE_BATCH = (72, 100, 128)  # trajectories per batch (3 prompts x 24), prompt and response tokens
+
+
+def _fake_batch(rank: int = 0) -> Batch:
+    """A searcher's batch of the paper's shape, random tokens."""
+    count, prompt_len, response_len = BRIDGE_BATCH
+    rng = random.Random(rank)
+    trajectories = [
+        Trajectory(
+            prompt_id=i // 24,
+            prompt_tokens=[rng.randrange(32000) for _ in range(prompt_len)],
+            response_tokens=[rng.randrange(32000) for _ in range(response_len)],
+            reward=rng.random(),
+            ref_logprob=-rng.random() * 100,
+            version=0,
+        )
+        for i in range(count)
+    ]
+    return Batch(rank, trajectories, BatchStats(1.0, 0.0, 0.0, 0.0, 0, 1.0, 0.0, None))
+
+
+def _bare_node(address: str, batches: int, res_q) -> None:
+    """A node without searchers, in its own process: installs each version it is sent and
+    reports when; or, with ``batches`` > 0, sends that many batches as fast as credit allows."""
+    torch.set_num_threads(1)
+    conn = connect(address, read_secret(""), timeout_s=60)
+    conn.send(Join("bench"))
+    welcome = conn.recv()
+    meta = [(name, torch.empty(shape, device="meta")) for name, shape in welcome.layout]
+    store = WeightStore(meta, welcome.dtype, torch.device("cpu"))
+    bridge = NodeBridge(conn, store, welcome.credit)
+    res_q.put("ready")
+    batch, sent = _fake_batch(), 0
+    with contextlib.suppress(RunEnded):
+        while True:
+            while batches and bridge.credit and sent < batches:
+                bridge.send(batch)
+                bridge.credit -= 1
+                sent += 1
+            version = store.version()
+            bridge.poll(0.001)
+            if store.version() != version:
+                res_q.put((store.version(), time.monotonic()))
+
+
+def _gloo_peer(rank: int, port: int, nbytes: int, reps: int, res_q) -> None:
+    """One of two gloo processes over 127.0.0.1: rank 0 sends ``nbytes``, rank 1 receives."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    payload = torch.full((nbytes,), rank, dtype=torch.uint8)
+    for _ in range(reps + 1):  # the first warms up
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(payload, dst=1)
+        else:
+            dist.recv(payload, src=0)
+            res_q.put(time.perf_counter() - t0)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _gateway(store: WeightStore, out_queue) -> tuple[NodeGateway, str]:
+    address = f"127.0.0.1:{_free_port()}"
+    cfg = TBAConfig(listen=address, timeout_s=120.0)
+    gateway = NodeGateway(cfg, [{"id": 0, "prompt": "x"}], None, store, out_queue, None)
+    gateway.start()
+    return gateway, address
+
+
+def bench_version_transfer(reps: int, model_kwargs: dict) -> dict:
+    """A published version reaching a node over loopback (publish, the gateway's copy, the
+    transfer, the node's install), against a raw gloo send of the same bytes."""
+    torch.set_num_threads(1)
+    model = _llama(model_kwargs, "cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    named = list(model.named_parameters())
+    store = WeightStore(named, torch.float32, torch.device("cpu"))
+    nbytes = store.flat.numel() * store.flat.element_size()
+    ctx = mp.get_context("spawn")
+    res_q = ctx.Queue()
+    gateway, address = _gateway(store, ctx.Queue(maxsize=8))
+    node = ctx.Process(target=_bare_node, args=(address, 0, res_q))
+    node.start()
+    seconds = []
+    try:
+        assert res_q.get(timeout=300) == "ready"
+        for rep in range(reps + 1):  # rep 0 warms up
+            t0 = time.monotonic()
+            store.publish(named, version=rep)
+            version, arrived = res_q.get(timeout=300)
+            assert version == rep, f"node installed version {version}, published {rep}"
+            if rep:
+                seconds.append(arrived - t0)
+    finally:
+        gateway.stop()
+        node.join(timeout=30)
+        if node.is_alive():
+            node.kill()
+    port = _free_port()
+    peers = [ctx.Process(target=_gloo_peer, args=(r, port, nbytes, reps, res_q)) for r in (0, 1)]
+    for peer in peers:
+        peer.start()
+    gloo = [res_q.get(timeout=300) for _ in range(reps + 1)][1:]
+    for peer in peers:
+        peer.join(timeout=60)
+    bridge_s, gloo_s = statistics.median(seconds), statistics.median(gloo)
+    return {
+        "params_M": store.flat.numel() / 1e6,
+        "bytes": nbytes,
+        "bridge_s": bridge_s,
+        "bridge_bytes_per_s": nbytes / bridge_s,
+        "gloo_send_s": gloo_s,
+        "gloo_bytes_per_s": nbytes / gloo_s,
+        "bridge_over_gloo_time": bridge_s / gloo_s,
+        "bridge_s_all": seconds,
+    }
+
+
+def _queue_producer(out_queue, batches: int) -> None:
+    """A searcher stand-in: puts ``batches`` batches on the in-node queue as fast as it can."""
+    batch = _fake_batch()
+    for _ in range(batches):
+        out_queue.put(batch, timeout=120)
+
+
+def _drain_rate(out_queue, batches: int) -> float:
+    """Trajectories per second arriving on ``out_queue``, from the first batch to the last."""
+    out_queue.get(timeout=300)
+    t0 = time.perf_counter()
+    for _ in range(batches - 1):
+        out_queue.get(timeout=120)
+    return (batches - 1) * BRIDGE_BATCH[0] / (time.perf_counter() - t0)
+
+
+def bench_trajectory_transfer(batches: int) -> dict:
+    """Trajectories/s that reach the trainer's queue: from a searcher on its node (one bounded
+    queue) against from a node across the bridge (node -> gateway -> trainer's queue)."""
+    ctx = mp.get_context("spawn")
+    out_queue = ctx.Queue(maxsize=8)
+    producer = ctx.Process(target=_queue_producer, args=(out_queue, batches))
+    producer.start()
+    in_node = _drain_rate(out_queue, batches)
+    producer.join(timeout=60)
+    store = WeightStore([("w", torch.zeros(4))], torch.float32, torch.device("cpu"))
+    gateway, address = _gateway(store, out_queue)
+    res_q = ctx.Queue()
+    node = ctx.Process(target=_bare_node, args=(address, batches, res_q))
+    node.start()
+    try:
+        assert res_q.get(timeout=300) == "ready"
+        bridged = _drain_rate(out_queue, batches)
+    finally:
+        gateway.stop()
+        node.join(timeout=30)
+        if node.is_alive():
+            node.kill()
+    return {
+        "trajectories_per_batch": BRIDGE_BATCH[0],
+        "prompt_tokens": BRIDGE_BATCH[1],
+        "response_tokens": BRIDGE_BATCH[2],
+        "in_node_queue_per_s": in_node,
+        "bridge_per_s": bridged,
+        "bridge_over_in_node": bridged / in_node,
+    }
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -643,7 +841,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke test with the same keys")
     parser.add_argument(
         "--sections",
-        default="time_to_accuracy,staleness,engines,publish",
+        default="time_to_accuracy,staleness,engines,publish,bridge",
         help="comma list of the sections to run",
     )
     parser.add_argument("--seeds", type=int, default=3, help="seeds per mode for time to accuracy")
@@ -686,6 +884,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tba_bench_models_") as root:
         if args.quick:  # an untrained model: the code paths, not the learning
             model_dir = save_tiny_model(Path(root) / "random")
+        elif not {"time_to_accuracy", "staleness"} & set(sections):
+            model_dir = None  # the other sections build their own models
         else:
             train, _, val = tiny_task()
             model_dir = tiny_warm_start(Path(args.warm_start), train, val, seed=0)
@@ -722,6 +922,18 @@ def main() -> None:
             log("engines")
             res["engines"] = bench_engines(root, args.quick)
             print(f"engines: {json.dumps(res['engines'])}")
+        if "bridge" in sections:
+            log("bridge")
+            os.environ.setdefault(SECRET_ENV, secrets.token_hex(16))  # the nodes' shared secret
+            res["bridge"] = {
+                "version": bench_version_transfer(
+                    2 if args.quick else 5,
+                    dict(LLAMA_110M, num_hidden_layers=2) if args.quick else LLAMA_110M,
+                ),
+                "trajectories": bench_trajectory_transfer(20 if args.quick else 300),
+                "parallel_speedup": parallel_speedup(1.0 if args.quick else 3.0),
+            }
+            print(f"bridge: {json.dumps(res['bridge'])}")
         if "publish" in sections:
             log("publish")
             res["publish"] = bench_publish(

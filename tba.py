@@ -709,7 +709,9 @@ class TBAConfig:
         False, "let transformers run model code from the hub (off: safer)"
     )
     # --- processes and devices ---
-    num_searchers: int = _knob(3, "searcher processes S (paper: 3, one per GPU)")
+    num_searchers: int = _knob(
+        3, "searcher processes S (paper: 3, one per GPU); with --listen, 0: only searcher nodes"
+    )
     searcher_devices: str = _knob(
         "cuda:1,cuda:2,cuda:3", "one device per searcher (comma list), or one for all"
     )
@@ -865,7 +867,6 @@ class TBAConfig:
                 raise ValueError(f"TBAConfig: {msg}")
 
         at_least_one = (
-            "num_searchers",
             "num_generations",
             "prompts_per_step",
             "searcher_batch_prompts",
@@ -947,6 +948,11 @@ class TBAConfig:
                 getattr(self, name) in allowed,
                 f"{name} {getattr(self, name)!r} is not one of {allowed}",
             )
+        need(
+            self.num_searchers >= (0 if self.listen else 1),
+            f"num_searchers must be >= 1 (0 only with --listen: every searcher on other "
+            f"nodes), got {self.num_searchers}",
+        )
         host, _, port = self.listen.rpartition(":")
         need(
             not self.listen or (bool(host) and port.isdigit()),
