@@ -24,6 +24,7 @@ import os
 import queue as queue_lib
 import random
 import signal
+import socket
 import time
 import traceback
 import warnings
@@ -805,7 +806,7 @@ SECRET_ENV = "TBA_SECRET"
 MIN_SECRET_BYTES = 16
 HEARTBEAT_S = 2.0  # each side sends at least this often
 PEER_TIMEOUT_S = 15.0  # silence after which a side counts the other as gone
-CHUNK_BYTES = 16 << 20  # a version travels in messages of this size
+CHUNK_BYTES = 16 << 20  # a version travels in sends of this size
 REMOTE_RANK_BASE = 100  # searcher s of node j reports as rank 100 j + s: searcher100/... in metrics
 
 
@@ -895,18 +896,33 @@ def flat_bytes(flat: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
+@contextlib.contextmanager
+def raw_socket(conn):
+    """The connection's socket for bulk bytes, which then skip the connection's framing and
+    copies; blocking calls time out after PEER_TIMEOUT_S (a stalled peer is an error), and the
+    socket is blocking again afterwards, as the connection expects."""
+    with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(PEER_TIMEOUT_S)
+        try:
+            yield sock
+        finally:
+            sock.settimeout(None)
+
+
 def send_version(conn, flat: torch.Tensor, version: int, probe: float) -> None:
-    """A version: its header, then its raw bytes in chunks (no pickling of the weights)."""
+    """A version: its header, then its raw bytes straight on the socket (no pickling)."""
     raw = flat_bytes(flat)
     conn.send(VersionHeader(version, probe, raw.nbytes))
-    for start in range(0, raw.nbytes, CHUNK_BYTES):
-        conn.send_bytes(raw[start : start + CHUNK_BYTES])
+    with raw_socket(conn) as sock:
+        for start in range(0, raw.nbytes, CHUNK_BYTES):  # the timeout applies per chunk
+            sock.sendall(raw[start : start + CHUNK_BYTES])
 
 
 def receive_version(conn, header: VersionHeader, staging: torch.Tensor) -> None:
-    """The bytes that follow ``header``, into ``staging`` (a flat CPU tensor of the store's size
-    and dtype). A cut connection raises here (EOFError or OSError) with ``staging`` partly
-    written: only the caller's publish after a complete receive makes a version visible."""
+    """The bytes that follow ``header``, straight into ``staging`` (a flat CPU tensor of the
+    store's size and dtype). A cut or stalled connection raises here (EOFError or OSError) with
+    ``staging`` partly written: only the caller's publish after a complete receive makes a
+    version visible."""
     raw = flat_bytes(staging)
     if header.nbytes != raw.nbytes:
         raise ValueError(
@@ -914,5 +930,9 @@ def receive_version(conn, header: VersionHeader, staging: torch.Tensor) -> None:
             f"{raw.nbytes}: the trainer's and the node's models differ"
         )
     got = 0
-    while got < raw.nbytes:
-        got += conn.recv_bytes_into(raw, got)
+    with raw_socket(conn) as sock:
+        while got < raw.nbytes:
+            size = sock.recv_into(raw[got:], min(CHUNK_BYTES, raw.nbytes - got))
+            if size == 0:
+                raise EOFError(f"the connection closed after {got} of {raw.nbytes} bytes")
+            got += size

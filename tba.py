@@ -67,6 +67,10 @@ Deviations from the official code, with reasons
     trickles in, so they are topped up with the most recently refreshed: async/mop_frac is m.
   * Weights travel as shared tensors (CUDA IPC or shared memory) with a version counter, not as
     MPI broadcasts: a sync is a device copy.
+  * Searchers on other nodes (--listen, run_gsm8k.py --join) are no members of an MPI world:
+    each node has its own store and queue, and one authenticated connection to the trainer
+    carries its trajectories in and only the newest version out, whole, so a node that dies
+    never stops the trainer and one that lags skips versions (trainer.NodeGateway).
   * Log-softmax runs in fp32 (``token_logprobs`` says why); the official code runs it in bf16.
   * A prompt runs once, its KV cache shared by its K responses (``group_logprobs``): exact.
   * Searchers shuffle their prompt shard each pass (seeded); the official ones walk it in order.

@@ -1926,12 +1926,15 @@ def test_node_secret_is_required_and_long_enough(monkeypatch, tmp_path):
     assert read_secret(str(tmp_path / "secret")) == NODE_SECRET.encode()
     with pytest.raises(ValueError, match="HOST:PORT"):
         cpu_config("m", listen="8000")
+    assert cpu_config("m", num_searchers=0, listen="127.0.0.1:8000").num_searchers == 0
+    with pytest.raises(ValueError, match="0 only with --listen"):
+        cpu_config("m", num_searchers=0)
 
 
 def test_cut_transfer_keeps_the_previous_complete_version(monkeypatch):
     """A version reaches a node's store whole or not at all: a connection cut half-way through
     a transfer leaves the previous version, bytes and number, in place."""
-    monkeypatch.setattr(searcher_module, "CHUNK_BYTES", 64)  # several chunks for a tiny model
+    monkeypatch.setattr(searcher_module, "CHUNK_BYTES", 64)  # several sends for a tiny model
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     named = list(model.named_parameters())
     trainer_store = WeightStore(named, torch.float32, torch.device("cpu"))
@@ -1952,8 +1955,8 @@ def test_cut_transfer_keeps_the_previous_complete_version(monkeypatch):
         trainer_store.publish(named, version=4)
         raw = flat_bytes(trainer_store.flat)
         gateway_end.send(VersionHeader(4, 0.0, raw.nbytes))
-        gateway_end.send_bytes(raw[:64])
-        gateway_end.send_bytes(raw[64:128])
+        with searcher_module.raw_socket(gateway_end) as sock:
+            sock.sendall(raw[:100])
         gateway_end.close()  # the trainer's side is gone mid-transfer
         with pytest.raises((EOFError, OSError)):
             bridge.poll(timeout=1.0)

@@ -1155,7 +1155,7 @@ def node_main(address: str, overrides: dict, log: Callable[[str], None] = print)
         NodeBridge(conn, store, welcome.credit).run(pool)
     except RunEnded as exc:
         log(f"node: {exc}")
-    except (EOFError, ConnectionError) as exc:
+    except (EOFError, OSError) as exc:
         raise NodeError(f"lost the trainer at {address}: {exc!r}") from None
     finally:
         for sig, handler in old_handlers.items():
