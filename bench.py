@@ -70,6 +70,7 @@ from searcher import (
     SearcherSetup,
     VLLMEngine,
     read_secret,
+    set_peer_timeouts,
 )
 from tba import TBAConfig, WeightStore, pad_token_id
 from trainer import NodeBridge, NodeGateway, RunEnded, Trainer, connect, run_tba
@@ -621,6 +622,7 @@ def _bare_node(address: str, batches: int, res_q) -> None:
     reports when; or, with ``batches`` > 0, sends that many batches as fast as credit allows."""
     torch.set_num_threads(1)
     conn = connect(address, read_secret(""), timeout_s=60)
+    set_peer_timeouts(conn)
     conn.send(Join("bench"))
     welcome = conn.recv()
     meta = [(name, torch.empty(shape, device="meta")) for name, shape in welcome.layout]

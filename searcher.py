@@ -25,6 +25,7 @@ import queue as queue_lib
 import random
 import signal
 import socket
+import struct
 import time
 import traceback
 import warnings
@@ -896,17 +897,21 @@ def flat_bytes(flat: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-@contextlib.contextmanager
-def raw_socket(conn):
-    """The connection's socket for bulk bytes, which then skip the connection's framing and
-    copies; blocking calls time out after PEER_TIMEOUT_S (a stalled peer is an error), and the
-    socket is blocking again afterwards, as the connection expects."""
-    with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.settimeout(PEER_TIMEOUT_S)
-        try:
-            yield sock
-        finally:
-            sock.settimeout(None)
+def raw_socket(conn) -> socket.socket:
+    """The connection's socket (a duplicate descriptor: close it after use) for bulk bytes,
+    which then skip the connection's framing and copies."""
+    return socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+
+
+def set_peer_timeouts(conn) -> None:
+    """Make every blocking read and write on the connection fail after PEER_TIMEOUT_S without
+    progress: a stalled peer becomes an error, even in the middle of a version. Kernel timeouts
+    (SO_RCVTIMEO, SO_SNDTIMEO), because the socket must stay in blocking mode: another thread
+    may be reading it with the connection, and a Python timeout would make it non-blocking."""
+    seconds = struct.pack("ll", int(PEER_TIMEOUT_S), 0)
+    with raw_socket(conn) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, seconds)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, seconds)
 
 
 def send_version(conn, flat: torch.Tensor, version: int, probe: float) -> None:
@@ -914,7 +919,7 @@ def send_version(conn, flat: torch.Tensor, version: int, probe: float) -> None:
     raw = flat_bytes(flat)
     conn.send(VersionHeader(version, probe, raw.nbytes))
     with raw_socket(conn) as sock:
-        for start in range(0, raw.nbytes, CHUNK_BYTES):  # the timeout applies per chunk
+        for start in range(0, raw.nbytes, CHUNK_BYTES):
             sock.sendall(raw[start : start + CHUNK_BYTES])
 
 

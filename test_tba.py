@@ -2037,7 +2037,7 @@ def test_killed_node_leaves_training_going_and_rejoins_with_the_newest_version(
                 os.killpg(node.pid, signal.SIGKILL)
             node.wait(timeout=10)
     assert trainer.step == 200 and "rejoined" in seen, seen
-    assert nodes[-1].returncode == 0 and "the run ended" in out
+    assert nodes[-1].returncode == 0 and "the run ended" in out, out
     assert session_pids(nodes[0].pid) == []  # the killed node's searchers followed it
     rows = read_metrics(tmp_path)
     # Training went on with the local searcher while the node was gone, nothing restarted.
@@ -2087,7 +2087,7 @@ def test_killed_trainer_ends_every_node_process_and_resume_continues(
                 time.sleep(0.2)
             assert session_pids(node.pid) == [], "a node process outlived the trainer by 30 s"
             assert session_pids(proc.pid) == [], "a trainer process outlived the trainer"
-            assert node.wait(timeout=5) != 0  # lost its trainer: an error, not a clean end
+            assert node.wait(timeout=5) != 0, node.stdout.read()  # an error, not a clean end
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(node.pid, signal.SIGKILL)

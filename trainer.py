@@ -65,6 +65,7 @@ from searcher import (
     receive_version,
     searcher_main,
     send_version,
+    set_peer_timeouts,
     weights_checksum,
 )
 from tba import (
@@ -832,6 +833,7 @@ class _Gateway:
         self.names: dict[str, int] = {}  # node name -> the id it joined with first
         self.live: set[int] = set()
         self.snapshot: tuple[int, float, torch.Tensor | None] = (-1, 0.0, None)
+        self.threads: list[threading.Thread] = []  # one per connection
 
     def log(self, msg: str) -> None:
         print(f"gateway: {msg}", flush=True)
@@ -846,7 +848,9 @@ class _Gateway:
                 return  # the listener was closed: the run is ending
             host, port = listener.last_accepted
             peer = f"{host}:{port}"
-            threading.Thread(target=self.serve, args=(conn, peer), daemon=True).start()
+            thread = threading.Thread(target=self.serve, args=(conn, peer), daemon=True)
+            thread.start()
+            self.threads.append(thread)
 
     def handshake(self, conn, peer: str) -> Join | None:
         """Both sides prove they hold the secret (HMAC challenge-response) before anything is
@@ -893,6 +897,7 @@ class _Gateway:
         if join is None:
             conn.close()
             return
+        set_peer_timeouts(conn)
         node_id = self.register(join.name)
         label = f"node {node_id} ({join.name}, {peer})"
         link = _NodeLink(conn, node_id, label, collections.deque())
@@ -929,10 +934,14 @@ class _Gateway:
     def serve_link(self, link: _NodeLink) -> None:
         """The node's messages in, its batches onto the trainer's queue, the newest version out,
         heartbeats both ways; until the run ends."""
-        parent = multiprocessing.parent_process()
-        while not self.closing.is_set() and parent.is_alive():
-            if link.conn.poll(0.05):
-                self.on_message(link, link.conn.recv())
+        inbox = queue_lib.Queue()  # bounded in effect: the node sends batches against credit
+        threading.Thread(target=_read_into, args=(link.conn, inbox), daemon=True).start()
+        while not self.closing.is_set():
+            with contextlib.suppress(queue_lib.Empty):
+                message = inbox.get(timeout=0.05)
+                if isinstance(message, Exception):
+                    raise message
+                self.on_message(link, message)
                 link.last_heard = time.monotonic()
             self.forward(link)
             self.send_newest(link)
@@ -988,6 +997,17 @@ class _Gateway:
             return self.snapshot
 
 
+def _read_into(conn, inbox: queue_lib.Queue) -> None:
+    """Read a node's messages as they come, in a thread of their own: while the gateway sends
+    the node a version, the node may be sending batches, and a side that stopped reading could
+    leave both blocked on full socket buffers. The error that ends the link goes in last."""
+    try:
+        while True:
+            inbox.put(conn.recv())
+    except (EOFError, OSError) as exc:
+        inbox.put(exc)
+
+
 def gateway_main(setup: GatewaySetup) -> None:
     """Process entry point: listen on ``cfg.listen`` only, serve nodes until the run ends or
     the trainer process is gone."""
@@ -1009,7 +1029,9 @@ def gateway_main(setup: GatewaySetup) -> None:
         gateway.goodbye = Bye("the trainer process is gone", clean=False)
     gateway.closing.set()
     listener.close()
-    time.sleep(0.3)  # the node threads say goodbye
+    deadline = time.monotonic() + 5.0
+    for thread in list(gateway.threads):  # each says goodbye to its node
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
     setup.out_queue.cancel_join_thread()  # never block exit on a queue nobody reads any more
 
 
@@ -1137,6 +1159,7 @@ def node_main(address: str, overrides: dict, log: Callable[[str], None] = print)
     gone (then every process of the node exits)."""
     secret = read_secret(overrides.get("secret_file", ""))
     conn = connect(address, secret, overrides.get("timeout_s", 600.0))
+    set_peer_timeouts(conn)
     old_handlers = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         old_handlers[sig] = signal.signal(sig, _raise_keyboard_interrupt)
