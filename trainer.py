@@ -6,6 +6,9 @@ trainer's model, publishes it, and loops here over 2 drain the queue into the re
 publish the weights to the ``WeightStore``. Every wait has a timeout; a failed searcher is
 restarted (``max_searcher_restarts`` in all) unless its weights did not arrive; on any exit
 every child is joined and, once the trainer is loaded, a checkpoint written.
+
+With ``--listen`` a gateway process also serves searchers on other nodes, and ``node_main`` is
+such a node (``run_gsm8k.py --join``): the last two sections.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from searcher import (
     Want,
     Welcome,
     parse_address,
+    raw_socket,
     read_secret,
     receive_version,
     searcher_main,
@@ -731,10 +735,7 @@ class RunEnded(Exception):
 def _hang_up(conn) -> None:
     """Shut the connection's socket down, which wakes a thread blocked reading it (a plain
     close from another thread does not)."""
-    with (
-        contextlib.suppress(OSError),
-        socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock,
-    ):
+    with contextlib.suppress(OSError), raw_socket(conn) as sock:
         sock.shutdown(socket.SHUT_RDWR)
 
 
@@ -758,7 +759,15 @@ class NodeGateway:
     """The trainer's side of the searcher nodes (``--listen``): starts, watches and stops the
     gateway process. The run stays single-node when ``cfg.listen`` is empty."""
 
-    def __init__(self, cfg, examples, reward_fn, store, out_queue, probe):
+    def __init__(
+        self,
+        cfg: TBAConfig,
+        examples: list[dict],
+        reward_fn: Callable,
+        store: WeightStore,
+        out_queue: Any,
+        probe: ParityProbe | None,
+    ):
         ctx = mp.get_context("spawn")
         self.setup = GatewaySetup(
             cfg=cfg,
