@@ -617,9 +617,10 @@ def _fake_batch(rank: int = 0) -> Batch:
     return Batch(rank, trajectories, BatchStats(1.0, 0.0, 0.0, 0.0, 0, 1.0, 0.0, None))
 
 
-def _bare_node(address: str, batches: int, res_q) -> None:
+def _bare_node(address: str, batches: int, send_batches, res_q) -> None:
     """A node without searchers, in its own process: installs each version it is sent and
-    reports when; or, with ``batches`` > 0, sends that many batches as fast as credit allows."""
+    reports when; once ``send_batches`` is set, sends ``batches`` batches as fast as credit
+    allows."""
     torch.set_num_threads(1)
     conn = connect(address, read_secret(""), timeout_s=60)
     set_peer_timeouts(conn)
@@ -632,7 +633,7 @@ def _bare_node(address: str, batches: int, res_q) -> None:
     batch, sent = _fake_batch(), 0
     with contextlib.suppress(RunEnded):
         while True:
-            while batches and bridge.credit and sent < batches:
+            while send_batches.is_set() and bridge.credit and sent < batches:
                 bridge.send(batch)
                 bridge.credit -= 1
                 sent += 1
@@ -643,7 +644,8 @@ def _bare_node(address: str, batches: int, res_q) -> None:
 
 
 def _gloo_peer(rank: int, port: int, nbytes: int, reps: int, res_q) -> None:
-    """One of two gloo processes over 127.0.0.1: rank 0 sends ``nbytes``, rank 1 receives."""
+    """One of two gloo processes over 127.0.0.1: rank 0 sends ``nbytes``, rank 1 receives and
+    reports the seconds each receive took."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -669,65 +671,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _gateway(store: WeightStore, out_queue) -> tuple[NodeGateway, str]:
-    address = f"127.0.0.1:{_free_port()}"
-    cfg = TBAConfig(listen=address, timeout_s=120.0)
-    gateway = NodeGateway(cfg, [{"id": 0, "prompt": "x"}], None, store, out_queue, None)
-    gateway.start()
-    return gateway, address
-
-
-def bench_version_transfer(reps: int, model_kwargs: dict) -> dict:
-    """A published version reaching a node over loopback (publish, the gateway's copy, the
-    transfer, the node's install), against a raw gloo send of the same bytes."""
-    torch.set_num_threads(1)
-    model = _llama(model_kwargs, "cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    named = list(model.named_parameters())
-    store = WeightStore(named, torch.float32, torch.device("cpu"))
-    nbytes = store.flat.numel() * store.flat.element_size()
-    ctx = mp.get_context("spawn")
-    res_q = ctx.Queue()
-    gateway, address = _gateway(store, ctx.Queue(maxsize=8))
-    node = ctx.Process(target=_bare_node, args=(address, 0, res_q))
-    node.start()
-    seconds = []
-    try:
-        assert res_q.get(timeout=300) == "ready"
-        for rep in range(reps + 1):  # rep 0 warms up
-            t0 = time.monotonic()
-            store.publish(named, version=rep)
-            version, arrived = res_q.get(timeout=300)
-            assert version == rep, f"node installed version {version}, published {rep}"
-            if rep:
-                seconds.append(arrived - t0)
-    finally:
-        gateway.stop()
-        node.join(timeout=30)
-        if node.is_alive():
-            node.kill()
-    port = _free_port()
-    peers = [ctx.Process(target=_gloo_peer, args=(r, port, nbytes, reps, res_q)) for r in (0, 1)]
-    for peer in peers:
-        peer.start()
-    gloo = [res_q.get(timeout=300) for _ in range(reps + 1)][1:]
-    for peer in peers:
-        peer.join(timeout=60)
-    bridge_s, gloo_s = statistics.median(seconds), statistics.median(gloo)
-    return {
-        "params_M": store.flat.numel() / 1e6,
-        "bytes": nbytes,
-        "bridge_s": bridge_s,
-        "bridge_bytes_per_s": nbytes / bridge_s,
-        "gloo_send_s": gloo_s,
-        "gloo_bytes_per_s": nbytes / gloo_s,
-        "bridge_over_gloo_time": bridge_s / gloo_s,
-        "bridge_s_all": seconds,
-    }
-
-
 def _queue_producer(out_queue, batches: int) -> None:
     """A searcher stand-in: puts ``batches`` batches on the in-node queue as fast as it can."""
     batch = _fake_batch()
@@ -744,35 +687,90 @@ def _drain_rate(out_queue, batches: int) -> float:
     return (batches - 1) * BRIDGE_BATCH[0] / (time.perf_counter() - t0)
 
 
-def bench_trajectory_transfer(batches: int) -> dict:
-    """Trajectories/s that reach the trainer's queue: from a searcher on its node (one bounded
-    queue) against from a node across the bridge (node -> gateway -> trainer's queue)."""
+def _version_seconds(store: WeightStore, named: list, reps: int, res_q) -> list[float]:
+    """Seconds from each publish on the trainer to the version installed on the node."""
+    seconds = []
+    for rep in range(reps + 1):  # rep 0 warms up
+        t0 = time.monotonic()
+        store.publish(named, version=rep)
+        version, arrived = res_q.get(timeout=300)
+        assert version == rep, f"node installed version {version}, published {rep}"
+        if rep:
+            seconds.append(arrived - t0)
+    return seconds
+
+
+def _gloo_seconds(nbytes: int, reps: int, res_q) -> list[float]:
+    """Seconds of a raw gloo send of ``nbytes``: this process sends, a child receives."""
+    port = _free_port()
     ctx = mp.get_context("spawn")
-    out_queue = ctx.Queue(maxsize=8)
-    producer = ctx.Process(target=_queue_producer, args=(out_queue, batches))
-    producer.start()
-    in_node = _drain_rate(out_queue, batches)
-    producer.join(timeout=60)
-    store = WeightStore([("w", torch.zeros(4))], torch.float32, torch.device("cpu"))
-    gateway, address = _gateway(store, out_queue)
-    res_q = ctx.Queue()
-    node = ctx.Process(target=_bare_node, args=(address, batches, res_q))
+    peer = ctx.Process(target=_gloo_peer, args=(1, port, nbytes, reps, res_q))
+    peer.start()
+    try:
+        _gloo_peer(0, port, nbytes, reps, res_q)
+        return [res_q.get(timeout=300) for _ in range(reps + 1)][1:]
+    finally:
+        peer.join(timeout=60)
+
+
+def bench_bridge(reps: int, model_kwargs: dict, batches: int) -> dict:
+    """Searcher nodes over loopback, one gateway and one node for both figures: a published
+    version reaching the node (the trainer's publish, the gateway's copy, the transfer, the
+    node's install) against a raw gloo send of the same bytes; and trajectories/s reaching the
+    trainer's queue across the bridge against through one in-node queue."""
+    torch.set_num_threads(1)
+    model = _llama(model_kwargs, "cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)  # touch every page
+    named = list(model.named_parameters())
+    store = WeightStore(named, torch.float32, torch.device("cpu"))
+    nbytes = store.flat.numel() * store.flat.element_size()
+    ctx = mp.get_context("spawn")
+    res_q, trainer_queue, send_batches = ctx.Queue(), ctx.Queue(maxsize=8), ctx.Event()
+    address = f"127.0.0.1:{_free_port()}"
+    gateway = NodeGateway(
+        TBAConfig(listen=address, timeout_s=120.0), [{"id": 0}], None, store, trainer_queue, None
+    )
+    gateway.start()
+    node = ctx.Process(target=_bare_node, args=(address, batches, send_batches, res_q))
     node.start()
     try:
         assert res_q.get(timeout=300) == "ready"
-        bridged = _drain_rate(out_queue, batches)
+        seconds = _version_seconds(store, named, reps, res_q)
+        send_batches.set()
+        bridged = _drain_rate(trainer_queue, batches)
     finally:
         gateway.stop()
         node.join(timeout=30)
         if node.is_alive():
             node.kill()
+    in_node_queue = ctx.Queue(maxsize=8)
+    producer = ctx.Process(target=_queue_producer, args=(in_node_queue, batches))
+    producer.start()
+    in_node = _drain_rate(in_node_queue, batches)
+    producer.join(timeout=60)
+    bridge_s = statistics.median(seconds)
+    gloo_s = statistics.median(_gloo_seconds(nbytes, reps, res_q))
     return {
-        "trajectories_per_batch": BRIDGE_BATCH[0],
-        "prompt_tokens": BRIDGE_BATCH[1],
-        "response_tokens": BRIDGE_BATCH[2],
-        "in_node_queue_per_s": in_node,
-        "bridge_per_s": bridged,
-        "bridge_over_in_node": bridged / in_node,
+        "version": {
+            "params_M": store.flat.numel() / 1e6,
+            "bytes": nbytes,
+            "bridge_s": bridge_s,
+            "bridge_s_all": seconds,
+            "bridge_bytes_per_s": nbytes / bridge_s,
+            "gloo_send_s": gloo_s,
+            "gloo_bytes_per_s": nbytes / gloo_s,
+            "bridge_over_gloo_time": bridge_s / gloo_s,
+        },
+        "trajectories": {
+            "trajectories_per_batch": BRIDGE_BATCH[0],
+            "prompt_tokens": BRIDGE_BATCH[1],
+            "response_tokens": BRIDGE_BATCH[2],
+            "in_node_queue_per_s": in_node,
+            "bridge_per_s": bridged,
+            "bridge_over_in_node": bridged / in_node,
+        },
     }
 
 
@@ -927,14 +925,12 @@ def main() -> None:
         if "bridge" in sections:
             log("bridge")
             os.environ.setdefault(SECRET_ENV, secrets.token_hex(16))  # the nodes' shared secret
-            res["bridge"] = {
-                "version": bench_version_transfer(
-                    2 if args.quick else 5,
-                    dict(LLAMA_110M, num_hidden_layers=2) if args.quick else LLAMA_110M,
-                ),
-                "trajectories": bench_trajectory_transfer(20 if args.quick else 300),
-                "parallel_speedup": parallel_speedup(1.0 if args.quick else 3.0),
-            }
+            res["bridge"] = bench_bridge(
+                2 if args.quick else 5,
+                dict(LLAMA_110M, num_hidden_layers=2) if args.quick else LLAMA_110M,
+                batches=20 if args.quick else 300,
+            )
+            res["bridge"]["parallel_speedup"] = parallel_speedup(1.0 if args.quick else 3.0)
             print(f"bridge: {json.dumps(res['bridge'])}")
         if "publish" in sections:
             log("publish")

@@ -2470,6 +2470,7 @@ def test_bench_quick_writes_every_key(tmp_path):
         "runs",
         "engines",
         "publish",
+        "bridge",
         "plot",
         "parallel_speedup_start",
         "parallel_speedup_end",
@@ -2493,6 +2494,9 @@ def test_bench_quick_writes_every_key(tmp_path):
         assert engines["vllm_tokens_per_s"] > 0 and engines["hf_tokens_per_s"] > 0
         assert engines["vllm_load_s"] > 0 and engines["hf_load_s"] > 0
     assert "sync / async time to 0.9" in proc.stdout  # the printed report
+    bridge = res["bridge"]
+    assert bridge["version"]["bridge_bytes_per_s"] > 0 and bridge["version"]["gloo_bytes_per_s"] > 0
+    assert bridge["trajectories"]["bridge_per_s"] > 0 and bridge["parallel_speedup"] > 0
     stale = res["staleness"]
     assert set(stale["summary"]["tb"]) == {"0", "2"}
     by_lag = {run["lag"]: run for run in stale["runs"]}
