@@ -859,7 +859,7 @@ class _Gateway:
             peer = f"{host}:{port}"
             thread = threading.Thread(target=self.serve, args=(conn, peer), daemon=True)
             thread.start()
-            self.threads.append(thread)
+            self.threads = [t for t in self.threads if t.is_alive()] + [thread]
 
     def handshake(self, conn, peer: str) -> Join | None:
         """Both sides prove they hold the secret (HMAC challenge-response) before anything is
