@@ -18,10 +18,11 @@ engines            vLLM against the transformers engine on this CPU, on a Llama 
                    millions of parameters with 128-token responses: tokens/s and weight-load time.
 publish            a trainer publish plus a searcher's load (another process, shared memory or
                    CUDA IPC) over a raw copy of the same bytes.
-bridge             searcher nodes over loopback: a published version of a 110M-parameter Llama
-                   reaching a node (bytes/s) against a raw gloo send of the same bytes, and
-                   trajectories/s reaching the trainer's queue across the bridge against
-                   through the in-node queue; with the parallel speedup measured beside them.
+bridge             searcher nodes over loopback (only when named in --sections): a published
+                   version of a 110M-parameter Llama reaching a node (bytes/s) against a raw
+                   gloo send of the same bytes, and trajectories/s reaching the trainer's queue
+                   across the bridge against through the in-node queue; with the parallel
+                   speedup measured beside them.
 machine            versions, cores, and how much two processes gain over one right now (2.0 on
                    two idle cores): asynchrony overlaps two processes, so it needs that gain.
 """
@@ -841,7 +842,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke test with the same keys")
     parser.add_argument(
         "--sections",
-        default="time_to_accuracy,staleness,engines,publish,bridge",
+        default="time_to_accuracy,staleness,engines,publish",
         help="comma list of the sections to run",
     )
     parser.add_argument("--seeds", type=int, default=3, help="seeds per mode for time to accuracy")
