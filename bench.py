@@ -29,6 +29,11 @@ intake             the trainer's intake of trajectories: ReplayBuffer.add per se
 tldr_staleness     TL;DR tiny (run_tldr's tiny preset) trained on data d versions stale in one
                    process (the staleness section's controlled lag): the gold win rate of greedy
                    summaries against the references, per loss and lag (--lags 0,15).
+bridge             searcher nodes over loopback (only when named in --sections): a published
+                   version of a 110M-parameter Llama reaching a node (bytes/s) against a raw
+                   gloo send of the same bytes, and trajectories/s reaching the trainer's queue
+                   across the bridge against through the in-node queue; with the parallel
+                   speedup measured beside them.
 machine            versions, cores, and how much two processes gain over one right now (2.0 on
                    two idle cores): asynchrony overlaps two processes, so it needs that gain.
 """
@@ -43,6 +48,8 @@ import importlib.util
 import json
 import os
 import platform
+import random
+import secrets
 import socket
 import statistics
 import sys
@@ -67,9 +74,20 @@ from run_gsm8k import (
     tiny_warm_start,
     to_examples,
 )
-from searcher import HFEngine, Searcher, SearcherSetup, VLLMEngine
+from searcher import (
+    SECRET_ENV,
+    Batch,
+    BatchStats,
+    HFEngine,
+    Join,
+    Searcher,
+    SearcherSetup,
+    VLLMEngine,
+    read_secret,
+    set_peer_timeouts,
+)
 from tba import TBAConfig, WeightStore, pad_token_id
-from trainer import DataParallel, Trainer, run_tba
+from trainer import DataParallel, NodeBridge, NodeGateway, RunEnded, Trainer, connect, run_tba
 
 THRESHOLDS = (0.85, 0.90, 0.95)
 WINDOW_S = 30  # accuracy averaged over windows of this many seconds
@@ -855,6 +873,186 @@ def bench_intake(
     return out
 
 
+# ----------------------------------------------------------------------------- searcher nodes
+
+BRIDGE_BATCH = (72, 100, 128)  # trajectories per batch (3 prompts x 24), prompt and response tokens
+
+
+def _fake_batch(rank: int = 0) -> Batch:
+    """A searcher's batch of the paper's shape, random tokens."""
+    count, prompt_len, response_len = BRIDGE_BATCH
+    rng = random.Random(rank)
+    trajectories = [
+        Trajectory(
+            prompt_id=i // 24,
+            prompt_tokens=[rng.randrange(32000) for _ in range(prompt_len)],
+            response_tokens=[rng.randrange(32000) for _ in range(response_len)],
+            reward=rng.random(),
+            ref_logprob=-rng.random() * 100,
+            version=0,
+        )
+        for i in range(count)
+    ]
+    return Batch(rank, trajectories, BatchStats(1.0, 0.0, 0.0, 0.0, 0, 1.0, 0.0, None))
+
+
+def _bare_node(address: str, batches: int, send_batches, res_q) -> None:
+    """A node without searchers, in its own process: installs each version it is sent and
+    reports when; once ``send_batches`` is set, sends ``batches`` batches as fast as credit
+    allows."""
+    torch.set_num_threads(1)
+    conn = connect(address, read_secret(""), timeout_s=60)
+    set_peer_timeouts(conn)
+    conn.send(Join("bench"))
+    welcome = conn.recv()
+    meta = [(name, torch.empty(shape, device="meta")) for name, shape in welcome.layout]
+    store = WeightStore(meta, welcome.dtype, torch.device("cpu"))
+    bridge = NodeBridge(conn, store, welcome.credit)
+    res_q.put("ready")
+    batch, sent = _fake_batch(), 0
+    with contextlib.suppress(RunEnded):
+        while True:
+            while send_batches.is_set() and bridge.credit and sent < batches:
+                bridge.send(batch)
+                bridge.credit -= 1
+                sent += 1
+            version = store.version()
+            bridge.poll(0.001)
+            if store.version() != version:
+                res_q.put((store.version(), time.monotonic()))
+
+
+def _gloo_peer(rank: int, port: int, nbytes: int, reps: int, res_q) -> None:
+    """One of two gloo processes over 127.0.0.1: rank 0 sends ``nbytes``, rank 1 receives and
+    reports the seconds each receive took."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    payload = torch.full((nbytes,), rank, dtype=torch.uint8)
+    for _ in range(reps + 1):  # the first warms up
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(payload, dst=1)
+        else:
+            dist.recv(payload, src=0)
+            res_q.put(time.perf_counter() - t0)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _queue_producer(out_queue, batches: int) -> None:
+    """A searcher stand-in: puts ``batches`` batches on the in-node queue as fast as it can."""
+    batch = _fake_batch()
+    for _ in range(batches):
+        out_queue.put(batch, timeout=120)
+
+
+def _drain_rate(out_queue, batches: int) -> float:
+    """Trajectories per second arriving on ``out_queue``, from the first batch to the last."""
+    out_queue.get(timeout=300)
+    t0 = time.perf_counter()
+    for _ in range(batches - 1):
+        out_queue.get(timeout=120)
+    return (batches - 1) * BRIDGE_BATCH[0] / (time.perf_counter() - t0)
+
+
+def _version_seconds(store: WeightStore, named: list, reps: int, res_q) -> list[float]:
+    """Seconds from each publish on the trainer to the version installed on the node."""
+    seconds = []
+    for rep in range(reps + 1):  # rep 0 warms up
+        t0 = time.monotonic()
+        store.publish(named, version=rep)
+        version, arrived = res_q.get(timeout=300)
+        assert version == rep, f"node installed version {version}, published {rep}"
+        if rep:
+            seconds.append(arrived - t0)
+    return seconds
+
+
+def _gloo_seconds(nbytes: int, reps: int, res_q) -> list[float]:
+    """Seconds of a raw gloo send of ``nbytes``: this process sends, a child receives."""
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    peer = ctx.Process(target=_gloo_peer, args=(1, port, nbytes, reps, res_q))
+    peer.start()
+    try:
+        _gloo_peer(0, port, nbytes, reps, res_q)
+        return [res_q.get(timeout=300) for _ in range(reps + 1)][1:]
+    finally:
+        peer.join(timeout=60)
+
+
+def bench_bridge(reps: int, model_kwargs: dict, batches: int) -> dict:
+    """Searcher nodes over loopback, one gateway and one node for both figures: a published
+    version reaching the node (the trainer's publish, the gateway's copy, the transfer, the
+    node's install) against a raw gloo send of the same bytes; and trajectories/s reaching the
+    trainer's queue across the bridge against through one in-node queue."""
+    torch.set_num_threads(1)
+    model = _llama(model_kwargs, "cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)  # touch every page
+    named = list(model.named_parameters())
+    store = WeightStore(named, torch.float32, torch.device("cpu"))
+    nbytes = store.flat.numel() * store.flat.element_size()
+    ctx = mp.get_context("spawn")
+    res_q, trainer_queue, send_batches = ctx.Queue(), ctx.Queue(maxsize=8), ctx.Event()
+    address = f"127.0.0.1:{_free_port()}"
+    gateway = NodeGateway(
+        TBAConfig(listen=address, timeout_s=120.0), [{"id": 0}], None, store, trainer_queue, None
+    )
+    gateway.start()
+    node = ctx.Process(target=_bare_node, args=(address, batches, send_batches, res_q))
+    node.start()
+    try:
+        assert res_q.get(timeout=300) == "ready"
+        seconds = _version_seconds(store, named, reps, res_q)
+        send_batches.set()
+        bridged = _drain_rate(trainer_queue, batches)
+    finally:
+        gateway.stop()
+        node.join(timeout=30)
+        if node.is_alive():
+            node.kill()
+    in_node_queue = ctx.Queue(maxsize=8)
+    producer = ctx.Process(target=_queue_producer, args=(in_node_queue, batches))
+    producer.start()
+    in_node = _drain_rate(in_node_queue, batches)
+    producer.join(timeout=60)
+    bridge_s = statistics.median(seconds)
+    gloo_s = statistics.median(_gloo_seconds(nbytes, reps, res_q))
+    return {
+        "version": {
+            "params_M": store.flat.numel() / 1e6,
+            "bytes": nbytes,
+            "bridge_s": bridge_s,
+            "bridge_s_all": seconds,
+            "bridge_bytes_per_s": nbytes / bridge_s,
+            "gloo_send_s": gloo_s,
+            "gloo_bytes_per_s": nbytes / gloo_s,
+            "bridge_over_gloo_time": bridge_s / gloo_s,
+        },
+        "trajectories": {
+            "trajectories_per_batch": BRIDGE_BATCH[0],
+            "prompt_tokens": BRIDGE_BATCH[1],
+            "response_tokens": BRIDGE_BATCH[2],
+            "in_node_queue_per_s": in_node,
+            "bridge_per_s": bridged,
+            "bridge_over_in_node": bridged / in_node,
+        },
+    }
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -995,7 +1193,7 @@ def main() -> None:
         if args.quick:  # an untrained model: the code paths, not the learning
             model_dir = save_tiny_model(Path(root) / "random")
         elif {"time_to_accuracy", "staleness"}.isdisjoint(sections):
-            model_dir = ""  # no section needs the GSM8K warm start
+            model_dir = None  # the other sections build their own models
         else:
             train, _, val = tiny_task()
             model_dir = tiny_warm_start(Path(args.warm_start), train, val, seed=0)
@@ -1062,6 +1260,16 @@ def main() -> None:
             log("engines")
             res["engines"] = bench_engines(root, args.quick)
             print(f"engines: {json.dumps(res['engines'])}")
+        if "bridge" in sections:
+            log("bridge")
+            os.environ.setdefault(SECRET_ENV, secrets.token_hex(16))  # the nodes' shared secret
+            res["bridge"] = bench_bridge(
+                2 if args.quick else 5,
+                dict(LLAMA_110M, num_hidden_layers=2) if args.quick else LLAMA_110M,
+                batches=20 if args.quick else 300,
+            )
+            res["bridge"]["parallel_speedup"] = parallel_speedup(1.0 if args.quick else 3.0)
+            print(f"bridge: {json.dumps(res['bridge'])}")
         if "publish" in sections:
             log("publish")
             res["publish"] = bench_publish(

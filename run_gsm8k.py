@@ -4,6 +4,7 @@
     python run_gsm8k.py --preset tiny        # offline, CPU, synthetic GSM8K-format problems
     python run_gsm8k.py --preset smoke       # the paper preset for 10 steps: does it fit?
     python run_gsm8k.py --help               # every TBAConfig field is a flag
+    python run_gsm8k.py --join HOST:PORT     # a searcher node of a trainer run with --listen
 
 GSM8K ships in data/gsm8k (OpenAI's JSONL, MIT licence); --data_dir points elsewhere.
 
@@ -37,7 +38,7 @@ from tba import (
     pad_token_id,
     sequence_logprobs,
 )
-from trainer import DataParallel, run_tba
+from trainer import NODE_FIELDS, DataParallel, NodeError, node_main, run_tba
 
 PROMPT_TEMPLATE = "[MATH TASK] Problem:\n{question}\n\nSolution:\n"  # official TBA/VinePPO format
 
@@ -535,6 +536,16 @@ def print_summary(summary: dict) -> None:
     )
 
 
+def join_as_node(args) -> dict:
+    """``--join``: searchers for a trainer on another node, until its run ends."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TBAConfig)}
+    try:
+        node_main(args.join, {name: value for name, value in given.items() if value is not None})
+    except (NodeError, ValueError) as exc:
+        raise SystemExit(f"node: {exc}") from None
+    return {}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = config_argparser(
         "TBA on GSM8K. Every TBAConfig field is a flag; --preset sets the base."
@@ -546,7 +557,16 @@ def main(argv: list[str] | None = None) -> dict:
         help="base values that explicit flags override (auto: paper with CUDA, else "
         "tiny; smoke: paper for 10 steps)",
     )
+    parser.add_argument(
+        "--join",
+        default="",
+        metavar="HOST:PORT",
+        help="run as a searcher node of the trainer listening there (its --listen): the config, "
+        "prompts and reward come from the trainer; a node sets only " + ", ".join(NODE_FIELDS),
+    )
     args = parser.parse_args(argv)
+    if args.join:
+        return join_as_node(args)
     preset, base = choose_preset(args.preset)
     wall_start = time.time()
     # An explicit thread count applies before any torch work here (warm start, first evaluation);

@@ -24,11 +24,14 @@ import os
 import queue as queue_lib
 import random
 import signal
+import socket
+import struct
 import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -808,3 +811,149 @@ def searcher_main(setup: SearcherSetup) -> None:
     # Do not block process exit on flushing the queue's feeder thread when nobody reads it
     # (the classic multiprocessing exit hang); the trainer has stopped reading by now.
     setup.out_queue.cancel_join_thread()
+
+
+# ----------------------------------------------------------------------------- searcher nodes
+# What travels between a searcher node (trainer.node_main) and the trainer's gateway
+# (trainer.NodeGateway) over one authenticated ``multiprocessing.connection`` per node. After the
+# HMAC handshake everything is pickled, so a peer that knows the secret is trusted (README,
+# "Searchers on other nodes").
+
+SECRET_ENV = "TBA_SECRET"
+MIN_SECRET_BYTES = 16
+HEARTBEAT_S = 2.0  # each side sends at least this often
+PEER_TIMEOUT_S = 15.0  # silence after which a side counts the other as gone
+CHUNK_BYTES = 16 << 20  # a version travels in sends of this size
+REMOTE_RANK_BASE = 100  # searcher s of node j reports as rank 100 j + s: searcher100/... in metrics
+
+
+@dataclass
+class Join:
+    """The node's first message after the handshake."""
+
+    name: str  # its host name: a node that rejoins under the same name keeps its ranks
+
+
+@dataclass
+class Welcome:
+    """The gateway's answer: all a node needs to run searchers exactly as the trainer's."""
+
+    node_id: int  # 1, 2, ...
+    cfg: TBAConfig
+    examples: list[dict]
+    reward_fn: Callable
+    probe: ParityProbe | None
+    layout: list[tuple[str, tuple[int, ...]]]  # the weight store's (name, shape), in order
+    dtype: torch.dtype
+    credit: int  # batches the node may send before the gateway hands back a Credit
+
+
+@dataclass
+class Heartbeat:
+    """Sent by either side when it has sent nothing else for HEARTBEAT_S."""
+
+
+@dataclass
+class Credit:
+    """The gateway put ``count`` of the node's batches on the trainer's bounded queue: the node
+    may send as many more (the trainer's backpressure, carried to the node's own queue)."""
+
+    count: int
+
+
+@dataclass
+class Want:
+    """The node holds version ``have`` complete and will take a newer one."""
+
+    have: int
+
+
+@dataclass
+class VersionHeader:
+    """A version follows as ``nbytes`` of raw weights in messages of CHUNK_BYTES."""
+
+    version: int
+    probe: float
+    nbytes: int
+
+
+@dataclass
+class Bye:
+    """The sender stops: the peer ends the link at once, without waiting for a timeout."""
+
+    reason: str
+    clean: bool = True  # False: the trainer process is gone (a node then exits with an error)
+
+
+def read_secret(path: str) -> bytes:
+    """The run's shared secret: the file ``path``, else the TBA_SECRET environment variable.
+    Both the trainer (``--listen``) and a node (``--join``) need it: the handshake proves each
+    holds it before anything else moves."""
+    secret = Path(path).read_bytes().strip() if path else os.environ.get(SECRET_ENV, "").encode()
+    if not secret:
+        raise ValueError(
+            f"searcher nodes need a shared secret: set {SECRET_ENV} or --secret_file "
+            '(e.g. python -c "import secrets; print(secrets.token_hex(16))")'
+        )
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"the shared secret must be at least {MIN_SECRET_BYTES} bytes")
+    return secret
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """HOST:PORT (an IPv6 host in brackets) as a (host, port) pair."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"address {address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def flat_bytes(flat: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, as a writable view (any dtype, bf16 too)."""
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def raw_socket(conn) -> socket.socket:
+    """The connection's socket (a duplicate descriptor: close it after use) for bulk bytes,
+    which then skip the connection's framing and copies."""
+    return socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+
+
+def set_peer_timeouts(conn) -> None:
+    """Make every blocking read and write on the connection fail after PEER_TIMEOUT_S without
+    progress: a stalled peer becomes an error, even in the middle of a version. Kernel timeouts
+    (SO_RCVTIMEO, SO_SNDTIMEO), because the socket must stay in blocking mode: another thread
+    may be reading it with the connection, and a Python timeout would make it non-blocking."""
+    seconds = struct.pack("ll", int(PEER_TIMEOUT_S), 0)
+    with raw_socket(conn) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, seconds)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, seconds)
+
+
+def send_version(conn, flat: torch.Tensor, version: int, probe: float) -> None:
+    """A version: its header, then its raw bytes straight on the socket (no pickling)."""
+    raw = flat_bytes(flat)
+    conn.send(VersionHeader(version, probe, raw.nbytes))
+    with raw_socket(conn) as sock:
+        for start in range(0, raw.nbytes, CHUNK_BYTES):
+            sock.sendall(raw[start : start + CHUNK_BYTES])
+
+
+def receive_version(conn, header: VersionHeader, staging: torch.Tensor) -> None:
+    """The bytes that follow ``header``, straight into ``staging`` (a flat CPU tensor of the
+    store's size and dtype). A cut or stalled connection raises here (EOFError or OSError) with
+    ``staging`` partly written: only the caller's publish after a complete receive makes a
+    version visible."""
+    raw = flat_bytes(staging)
+    if header.nbytes != raw.nbytes:
+        raise ValueError(
+            f"version {header.version} has {header.nbytes} bytes, this node's store "
+            f"{raw.nbytes}: the trainer's and the node's models differ"
+        )
+    got = 0
+    with raw_socket(conn) as sock:
+        while got < raw.nbytes:
+            size = sock.recv_into(raw[got:], min(CHUNK_BYTES, raw.nbytes - got))
+            if size == 0:
+                raise EOFError(f"the connection closed after {got} of {raw.nbytes} bytes")
+            got += size

@@ -72,6 +72,10 @@ Deviations from the official code, with reasons
     trickles in, so they are topped up with the most recently refreshed: async/mop_frac is m.
   * Weights travel as shared tensors (CUDA IPC or shared memory) with a version counter, not as
     MPI broadcasts: a sync is a device copy.
+  * Searchers on other nodes (--listen, run_gsm8k.py --join) are no members of an MPI world:
+    each node has its own store and queue, and one authenticated connection to the trainer
+    carries its trajectories in and only the newest version out, whole, so a node that dies
+    never stops the trainer and one that lags skips versions (trainer.NodeGateway).
   * Log-softmax runs in fp32 (``token_logprobs`` says why); the official code runs it in bf16.
   * A prompt runs once, its KV cache shared by its K responses (``group_logprobs``): exact.
   * Searchers shuffle their prompt shard each pass (seeded); the official ones walk it in order.
@@ -727,7 +731,9 @@ class TBAConfig:
         False, "let transformers run model code from the hub (off: safer)"
     )
     # --- processes and devices ---
-    num_searchers: int = _knob(3, "searcher processes S (paper: 3, one per GPU)")
+    num_searchers: int = _knob(
+        3, "searcher processes S (paper: 3, one per GPU); with --listen, 0: only searcher nodes"
+    )
     searcher_devices: str = _knob(
         "cuda:1,cuda:2,cuda:3", "one device per searcher (comma list), or one for all"
     )
@@ -845,6 +851,15 @@ class TBAConfig:
         3, "restarts allowed per run, all searchers together; one more failure stops it"
     )
     torch_threads: int = _knob(0, "torch CPU threads per process; 0: cores / processes")
+    # --- searcher nodes (README, "Searchers on other nodes") ---
+    listen: str = _knob(
+        "",
+        "HOST:PORT on which the trainer accepts searcher nodes (run_gsm8k.py --join HOST:PORT); "
+        "listens on that address only; empty: no nodes",
+    )
+    secret_file: str = _knob(
+        "", "file holding the shared secret of --listen and --join; empty: the TBA_SECRET variable"
+    )
     # --- run ---
     seed: int = _knob(0, "seed of trainer, buffer and searchers (searcher s uses seed + 1 + s)")
     output_dir: str = _knob("runs/gsm8k", "metrics.jsonl, results.json, checkpoints")
@@ -882,7 +897,6 @@ class TBAConfig:
                 raise ValueError(f"TBAConfig: {msg}")
 
         at_least_one = (
-            "num_searchers",
             "num_generations",
             "prompts_per_step",
             "searcher_batch_prompts",
@@ -966,6 +980,16 @@ class TBAConfig:
                 getattr(self, name) in allowed,
                 f"{name} {getattr(self, name)!r} is not one of {allowed}",
             )
+        need(
+            self.num_searchers >= (0 if self.listen else 1),
+            f"num_searchers must be >= 1 (0 only with --listen: every searcher on other "
+            f"nodes), got {self.num_searchers}",
+        )
+        host, _, port = self.listen.rpartition(":")
+        need(
+            not self.listen or (bool(host) and port.isdigit()),
+            f"listen {self.listen!r} is not HOST:PORT",
+        )
         devices = len(self.searcher_device_list())
         need(
             devices in (1, self.num_searchers),

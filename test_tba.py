@@ -43,6 +43,7 @@ from transformers import (
 import run_gsm8k
 import run_redteam
 import run_tldr
+import searcher as searcher_module
 from buffer import ReplayBuffer, Trajectory
 from rewards import (
     HFToxicityClassifier,
@@ -63,7 +64,20 @@ from run_gsm8k import (
     synthetic_problems,
     to_examples,
 )
-from searcher import Failure, HFEngine, Ready, Searcher, VLLMEngine, WeightsNotLoaded
+from searcher import (
+    SECRET_ENV,
+    Failure,
+    HFEngine,
+    Ready,
+    Searcher,
+    VersionHeader,
+    VLLMEngine,
+    Want,
+    WeightsNotLoaded,
+    flat_bytes,
+    read_secret,
+    send_version,
+)
 from tba import (
     TBAConfig,
     WeightStore,
@@ -87,6 +101,7 @@ from tba import (
 from trainer import (
     DataParallel,
     Intake,
+    NodeBridge,
     SearcherFailed,
     SearcherPool,
     Trainer,
@@ -2124,6 +2139,219 @@ def test_sigkill_then_resume_continues_from_the_checkpoint(tiny_model_dir, tmp_p
     assert results["steps"] == saved + 4
 
 
+# ================================================================================= searcher nodes
+
+NODE_SECRET = "a-test-secret-of-32-characters!!"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_node(address: str, *extra: str) -> subprocess.Popen:
+    """``run_gsm8k.py --join`` in its own session (so that all its processes can be found)."""
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "run_gsm8k.py"), "--join", address, *extra],
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_node_secret_is_required_and_long_enough(monkeypatch, tmp_path):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(ValueError, match="TBA_SECRET or --secret_file"):
+        read_secret("")
+    monkeypatch.setenv(SECRET_ENV, "short")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        read_secret("")
+    (tmp_path / "secret").write_text(NODE_SECRET + "\n")
+    assert read_secret(str(tmp_path / "secret")) == NODE_SECRET.encode()
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        cpu_config("m", listen="8000")
+    assert cpu_config("m", num_searchers=0, listen="127.0.0.1:8000").num_searchers == 0
+    with pytest.raises(ValueError, match="0 only with --listen"):
+        cpu_config("m", num_searchers=0)
+
+
+def test_cut_transfer_keeps_the_previous_complete_version(monkeypatch):
+    """A version reaches a node's store whole or not at all: a connection cut half-way through
+    a transfer leaves the previous version, bytes and number, in place."""
+    monkeypatch.setattr(searcher_module, "CHUNK_BYTES", 64)  # several sends for a tiny model
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    named = list(model.named_parameters())
+    trainer_store = WeightStore(named, torch.float32, torch.device("cpu"))
+    node_store = WeightStore(named, torch.float32, torch.device("cpu"))
+    node_end, gateway_end = multiprocessing.Pipe()
+    with time_limit(30):
+        bridge = NodeBridge(node_end, node_store, credit=1)
+        assert gateway_end.recv() == Want(-1)
+        trainer_store.publish(named, version=2)
+        send_version(gateway_end, trainer_store.flat, 2, 0.5)
+        bridge.poll(timeout=1.0)
+        assert node_store.version() == 2 and torch.equal(node_store.flat, trainer_store.flat)
+        assert gateway_end.recv() == Want(2)
+        complete = node_store.flat.clone()
+        with torch.no_grad():
+            for _, p in named:
+                p.add_(1.0)
+        trainer_store.publish(named, version=4)
+        raw = flat_bytes(trainer_store.flat)
+        gateway_end.send(VersionHeader(4, 0.0, raw.nbytes))
+        with searcher_module.raw_socket(gateway_end) as sock:
+            sock.sendall(raw[:100])
+        gateway_end.close()  # the trainer's side is gone mid-transfer
+        with pytest.raises((EOFError, OSError)):
+            bridge.poll(timeout=1.0)
+    assert node_store.version() == 2 and torch.equal(node_store.flat, complete)
+    assert not torch.equal(node_store.flat, trainer_store.flat)
+
+
+def node_run_cfg(model_dir: str, out: Path, port: int, **overrides) -> TBAConfig:
+    return tiny_cfg(model_dir, out, num_searchers=1, listen=f"127.0.0.1:{port}", **overrides)
+
+
+@pytest.mark.slow
+def test_node_with_a_wrong_secret_is_refused_and_the_run_goes_on(
+    tiny_model_dir, tmp_path, monkeypatch, capfd
+):
+    monkeypatch.setenv(SECRET_ENV, NODE_SECRET)
+    address = f"127.0.0.1:{free_port()}"
+    refused = []
+
+    def on_step(trainer, metrics):
+        if trainer.step == 2:  # a node with another secret tries to join, during the run
+            monkeypatch.setenv(SECRET_ENV, "another-secret-of-32-characters!")
+            with pytest.raises(SystemExit) as exc:
+                main(["--join", address, "--timeout_s", "5"])
+            refused.append(str(exc.value))
+
+    cfg = node_run_cfg(tiny_model_dir, tmp_path, int(address.split(":")[1]), total_steps=6)
+    with time_limit(90):
+        run_tba(cfg, tiny_examples(), digit_reward, on_step=on_step, show_progress=False)
+    assert refused and "refused this node" in refused[0] and "TBA_SECRET" in refused[0]
+    assert "refused 127.0.0.1:" in capfd.readouterr().out  # the gateway logged it
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert all(r["nodes/connected"] == 0 for r in rows)
+    assert not any(key.startswith("searcher1") for r in rows for key in r)
+    assert child_pids() == []
+
+
+@pytest.mark.slow
+def test_killed_node_leaves_training_going_and_rejoins_with_the_newest_version(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setenv(SECRET_ENV, NODE_SECRET)
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    nodes = [start_node(address, "--num_searchers", "1")]  # retries until the trainer listens
+    seen = {}  # what happened at which step
+
+    def on_step(trainer, metrics):
+        remote = metrics.get("searcher100/version")
+        if "killed" not in seen:
+            if remote is None:
+                time.sleep(1.0)  # hold the trainer until the node has delivered
+                return
+            os.killpg(nodes[0].pid, signal.SIGKILL)  # the node's bridge and its searchers
+            seen["killed"] = (trainer.step, remote)
+        elif "restarted" not in seen and metrics["nodes/connected"] == 0:
+            seen["gone"] = trainer.step
+            nodes.append(start_node(address, "--num_searchers", "1"))  # the same command
+            seen["restarted"] = trainer.step
+            seen["remote_then"] = remote  # batches of the killed node may arrive until here
+        elif "restarted" in seen and "rejoined" not in seen:
+            if metrics["nodes/connected"] == 0 or remote == seen["remote_then"]:
+                time.sleep(1.0)  # hold the trainer until the restarted node has delivered
+                return
+            seen["rejoined"] = (trainer.step, remote)
+
+    cfg = node_run_cfg(tiny_model_dir, tmp_path, port, total_steps=200, timeout_s=120)
+    try:
+        with time_limit(240):
+            trainer = run_tba(
+                cfg, tiny_examples(), gsm8k_reward, on_step=on_step, show_progress=False
+            )
+        out, _ = nodes[-1].communicate(timeout=30)  # the run's goodbye ends the node
+    finally:
+        for node in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL)
+            node.wait(timeout=10)
+    assert trainer.step == 200 and "rejoined" in seen, seen
+    assert nodes[-1].returncode == 0 and "the run ended" in out, out
+    assert session_pids(nodes[0].pid) == []  # the killed node's searchers followed it
+    rows = read_metrics(tmp_path)
+    # Training went on with the local searcher while the node was gone, nothing restarted.
+    assert seen["restarted"] > seen["killed"][0] and rows[-1]["async/searcher_restarts"] == 0
+    # The restarted node joined as the same node (ranks 100 +) with the newest version then:
+    # published every k = 2 steps, so at least the version of the step it was started at - 1.
+    restarted_step, version = seen["restarted"], seen["rejoined"][1]
+    assert version >= restarted_step - 1 and version % 2 == 0
+    # Every version a node's searcher loaded is the trainer's, bit for bit (checksums).
+    checked = [r for r in rows if "searcher100/checksum" in r]
+    assert checked
+    for r in checked:
+        published = trainer.published[int(r["searcher100/version"])]
+        assert r["searcher100/checksum"] == pytest.approx(published, rel=1e-12)
+    assert child_pids() == []
+
+
+@pytest.mark.slow
+def test_killed_trainer_ends_every_node_process_and_resume_continues(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setenv(SECRET_ENV, NODE_SECRET)
+    address = f"127.0.0.1:{free_port()}"
+    node = start_node(address, "--num_searchers", "1")
+    try:
+        with cli_run(
+            tiny_model_dir,
+            tmp_path,
+            "--listen",
+            address,
+            "--total_steps",
+            "100000",
+            "--checkpoint_every",
+            "0",
+        ) as proc:
+            deadline = time.monotonic() + 150
+            while not any("searcher100/version" in r for r in read_metrics_if_any(tmp_path)):
+                assert time.monotonic() < deadline, "no batch from the node"
+                assert proc.poll() is None and node.poll() is None
+                time.sleep(0.5)
+            os.kill(proc.pid, signal.SIGKILL)  # the trainer only: the node must notice
+            proc.wait(timeout=10)
+            killed = time.monotonic()
+            while (
+                session_pids(node.pid) or session_pids(proc.pid)
+            ) and time.monotonic() < killed + 30:
+                time.sleep(0.2)
+            assert session_pids(node.pid) == [], "a node process outlived the trainer by 30 s"
+            assert session_pids(proc.pid) == [], "a trainer process outlived the trainer"
+            assert node.wait(timeout=5) != 0, node.stdout.read()  # an error, not a clean end
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.pid, signal.SIGKILL)
+    assert re.search("the trainer process is gone|lost the trainer", node.stdout.read())
+    saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["trainer"]["step"]
+    resumed = start_cli_run(tiny_model_dir, tmp_path, "--total_steps", str(saved + 2), "--resume")
+    out, _ = resumed.communicate(timeout=180)
+    assert resumed.returncode == 0, out
+    assert f"resumed from {tmp_path / 'checkpoint.pt'} at step {saved}" in out
+    assert [row["step"] for row in read_metrics(tmp_path)] == list(range(1, saved + 3))
+
+
+def read_metrics_if_any(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 # ====================================================================================== vLLM on CPU
 
 needs_vllm = pytest.mark.skipif(
@@ -2470,6 +2698,24 @@ def test_sigint_stops_every_vllm_process(vllm_tied_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_bridge_quick_writes_every_key(tmp_path):
+    """bench.py --quick --sections bridge end to end (searcher nodes over loopback)."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "bench.py", "--quick", "--sections", "bridge", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bridge = json.loads(out.read_text())["bridge"]
+    assert bridge["version"]["bridge_bytes_per_s"] > 0 and bridge["version"]["gloo_bytes_per_s"] > 0
+    assert len(bridge["version"]["bridge_s_all"]) == 2  # each published version arrived
+    assert bridge["trajectories"]["bridge_per_s"] > 0 and bridge["parallel_speedup"] > 0
+
+
+@pytest.mark.slow
 def test_bench_quick_writes_every_key(tmp_path):
     """bench.py --quick end to end: it exits 0 and writes every key. Timing goals are not
     asserted here; bench.py reports them as measured times and ratios."""
@@ -2574,12 +2820,6 @@ def test_tiny_preset_end_to_end_learns_saves_and_resumes(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- data parallel
-
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def dp_batch(prompts: int, seed: int) -> list[list[Trajectory]]:

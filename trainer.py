@@ -7,6 +7,9 @@ AdamW step -> 5 every k steps publish the weights to the ``WeightStore``. Every 
 timeout; a failed searcher is restarted (``max_searcher_restarts`` in all) unless its weights
 did not arrive; on any exit every child is joined and, once the trainer is loaded, a checkpoint
 written.
+
+With ``--listen`` a gateway process also serves searchers on other nodes, and ``node_main`` is
+such a node (``run_gsm8k.py --join``): the last two sections.
 """
 
 from __future__ import annotations
@@ -17,14 +20,26 @@ import dataclasses
 import datetime
 import itertools
 import json
+import math
+import multiprocessing
 import os
 import queue as queue_lib
 import signal
+import socket
 import statistics
 import threading
 import time
+import traceback
 from collections.abc import Callable
+from multiprocessing.connection import (
+    AuthenticationError,
+    Client,
+    Listener,
+    answer_challenge,
+    deliver_challenge,
+)
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,13 +50,30 @@ from transformers import AutoTokenizer
 
 from buffer import ReplayBuffer, Trajectory
 from searcher import (
+    HEARTBEAT_S,
+    PEER_TIMEOUT_S,
+    REMOTE_RANK_BASE,
+    SECRET_ENV,
     Batch,
     BatchStats,
+    Bye,
+    Credit,
     Failure,
+    Heartbeat,
+    Join,
     ParityProbe,
     Ready,
     SearcherSetup,
+    VersionHeader,
+    Want,
+    Welcome,
+    parse_address,
+    raw_socket,
+    read_secret,
+    receive_version,
     searcher_main,
+    send_version,
+    set_peer_timeouts,
     weights_checksum,
 )
 from tba import (
@@ -858,6 +890,9 @@ def run_tba(
     # GPU. The store's layout needs only the policy's names and shapes.
     store = make_weight_store(cfg, meta_causal_lm(cfg.model, cfg.trust_remote_code), device)
     pool = SearcherPool(cfg, examples, reward_fn, store, probe, log=tqdm.write)
+    gateway = None  # searchers on other nodes feed the same queue (``--listen``)
+    if cfg.listen:
+        gateway = NodeGateway(cfg, examples, reward_fn, store, pool.queue, probe)
     # Ctrl-C and SIGTERM end the run cleanly. Set both: a background process inherits SIGINT
     # ignored.
     old_handlers = {}
@@ -868,6 +903,8 @@ def run_tba(
     bar = None
     try:
         pool.start()  # 1. the searchers run from here on, in their own processes
+        if gateway is not None:
+            gateway.start()
         pool.wait_ready()
         if dp is not None:
             dp.send("start")  # the other ranks load their trainers beside this one
@@ -911,6 +948,7 @@ def run_tba(
                 metrics = {"step": trainer.step, "wall_time": time.time() - started, **metrics}
                 metrics.update(trainer.buffer.stats(trainer.step))
                 metrics.update(intake.metrics())
+                metrics.update(gateway.metrics() if gateway is not None else {})
                 metrics["time/wait"] = wait_s
                 metrics["time/publish"] = publish_s
                 metrics["memory/trainer_peak_gb"] = peak_memory_gb(device)
@@ -938,6 +976,8 @@ def run_tba(
             signal.signal(sig, signal.SIG_IGN if dp is not None else handler)
         if intake is not None:
             intake.stop()  # then nothing adds to the buffer, and the pool is this thread's
+        if gateway is not None:
+            gateway.stop()
         pool.stop()  # children first: every process of the run is gone before the save
         if trainer is not None:
             trainer.save(ckpt_path)
@@ -996,3 +1036,500 @@ def _load_trainer(
     kept = [row for row in old_rows if row.strip() and json.loads(row)["step"] <= trainer.step]
     metrics_path.write_text("".join(row + "\n" for row in kept))
     return trainer
+
+
+# ----------------------------------------------------------------------------- searcher nodes
+# A node runs its searchers as the trainer does (a NodePool against a node-local WeightStore and
+# queue); its main process, the NodeBridge, carries their batches to the trainer and each newest
+# version back. On the trainer a NodeGateway process serves every node; it reads the trainer's
+# store as a searcher does and feeds the trainer's bounded queue, so the buffer, the staleness
+# bounds and the metrics treat remote searchers as local ones. A node is no member of any
+# torch.distributed world: its death never stops the trainer (README, "Searchers on other nodes").
+
+NODE_FIELDS = (  # TBAConfig fields a node sets for itself; every other one is the trainer's
+    "num_searchers",
+    "searcher_devices",
+    "torch_threads",
+    "engine",
+    "vllm_gpu_memory_utilization",
+    "vllm_kv_cache_gb",
+    "vllm_compile",
+    "model",
+    "ref_model",
+    "secret_file",
+    "timeout_s",
+)
+NODE_SEED_STRIDE = 1000  # node j's searchers draw from seed + 1000 j + 1 + s: no two alike
+
+
+class NodeError(RuntimeError):
+    """A searcher node could not join its trainer, or lost it."""
+
+
+class RunEnded(Exception):
+    """The trainer said goodbye: the run is over, the node exits cleanly."""
+
+
+def _hang_up(conn) -> None:
+    """Shut the connection's socket down, which wakes a thread blocked reading it (a plain
+    close from another thread does not)."""
+    with contextlib.suppress(OSError), raw_socket(conn) as sock:
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+@dataclasses.dataclass
+class GatewaySetup:
+    """What the gateway process is started with (pickled once, at spawn)."""
+
+    cfg: TBAConfig
+    secret: bytes
+    examples: list[dict]
+    reward_fn: Callable
+    store: WeightStore
+    out_queue: Any  # the trainer's bounded trajectory queue (SearcherPool.queue)
+    probe: ParityProbe | None
+    stop_event: Any
+    status: Any  # a queue: "listening", or why not
+    connected: Any  # a shared int: nodes connected now
+
+
+class NodeGateway:
+    """The trainer's side of the searcher nodes (``--listen``): starts, watches and stops the
+    gateway process. The run stays single-node when ``cfg.listen`` is empty."""
+
+    def __init__(
+        self,
+        cfg: TBAConfig,
+        examples: list[dict],
+        reward_fn: Callable,
+        store: WeightStore,
+        out_queue: Any,
+        probe: ParityProbe | None,
+    ):
+        ctx = mp.get_context("spawn")
+        self.setup = GatewaySetup(
+            cfg=cfg,
+            secret=read_secret(cfg.secret_file),  # no secret: an error before any process starts
+            examples=examples,
+            reward_fn=reward_fn,
+            store=store,
+            out_queue=out_queue,
+            probe=probe,
+            stop_event=ctx.Event(),
+            status=ctx.Queue(maxsize=1),
+            connected=ctx.Value("i", 0),
+        )
+        self.proc = ctx.Process(target=gateway_main, name="tba-gateway", args=(self.setup,))
+
+    def start(self) -> None:
+        """Start the gateway and wait until it listens; an address it cannot bind is an error."""
+        self.proc.start()
+        deadline = time.monotonic() + self.setup.cfg.timeout_s
+        status = "(no word)"
+        while self.proc.is_alive() and time.monotonic() < deadline:
+            with contextlib.suppress(queue_lib.Empty):
+                status = self.setup.status.get(timeout=0.2)
+                break
+        if status != "listening":
+            raise RuntimeError(f"node gateway: {status}")
+
+    def metrics(self) -> dict[str, float]:
+        """Nodes connected now; a dead gateway is an error (its nodes would starve unnoticed)."""
+        if not self.proc.is_alive():
+            raise RuntimeError(f"the node gateway died (exit code {self.proc.exitcode})")
+        return {"nodes/connected": float(self.setup.connected.value)}
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Say goodbye to every node, then end the process (terminate, then kill)."""
+        if self.proc.pid is None:
+            return  # never started
+        self.setup.stop_event.set()
+        self.proc.join(timeout=timeout)
+        for end in ("terminate", "kill"):
+            if self.proc.is_alive():
+                getattr(self.proc, end)()
+                self.proc.join(timeout=3.0)
+
+
+@dataclasses.dataclass
+class _NodeLink:
+    """The gateway's state of one connected node."""
+
+    conn: Any
+    node_id: int
+    label: str  # for log lines: name, address and id
+    pending: collections.deque  # its batches not yet on the trainer's queue
+    have: int = -1  # the version it holds
+    wants: bool = False  # it will take a newer version
+    last_heard: float = 0.0
+    last_sent: float = 0.0
+
+    def send(self, message) -> None:
+        self.conn.send(message)
+        self.last_sent = time.monotonic()
+
+
+class _Gateway:
+    """The gateway process's state: a thread per node, a shared snapshot of the newest version."""
+
+    def __init__(self, setup: GatewaySetup):
+        self.setup = setup
+        self.closing = threading.Event()
+        self.goodbye = Bye("the run ended")  # what each node is told when closing is set
+        self.lock = threading.Lock()
+        self.names: dict[str, int] = {}  # node name -> the id it joined with first
+        self.live: set[int] = set()
+        self.snapshot: tuple[int, float, torch.Tensor | None] = (-1, 0.0, None)
+        self.threads: list[threading.Thread] = []  # one per connection
+
+    def log(self, msg: str) -> None:
+        print(f"gateway: {msg}", flush=True)
+
+    def accept_loop(self, listener) -> None:
+        """Accept connections until the listener closes; each is served in its own thread, so
+        a peer that stalls its handshake holds up no one."""
+        while True:
+            try:
+                conn = listener.accept()
+            except OSError:
+                return  # the listener was closed: the run is ending
+            host, port = listener.last_accepted
+            peer = f"{host}:{port}"
+            thread = threading.Thread(target=self.serve, args=(conn, peer), daemon=True)
+            thread.start()
+            self.threads = [t for t in self.threads if t.is_alive()] + [thread]
+
+    def handshake(self, conn, peer: str) -> Join | None:
+        """Both sides prove they hold the secret (HMAC challenge-response) before anything is
+        unpickled; then the node's Join. None (logged) when the peer fails or stalls."""
+        timer = threading.Timer(PEER_TIMEOUT_S, _hang_up, args=(conn,))
+        timer.start()
+        try:
+            deliver_challenge(conn, self.setup.secret)
+            answer_challenge(conn, self.setup.secret)
+            join = conn.recv()
+        except AuthenticationError:
+            self.log(f"refused {peer}: it does not hold the run's secret")
+            return None
+        except (EOFError, OSError) as exc:
+            self.log(f"dropped {peer} during the handshake: {exc!r}")
+            return None
+        finally:
+            timer.cancel()
+        if not isinstance(join, Join):
+            self.log(f"dropped {peer}: {type(join).__name__} instead of Join")
+            return None
+        return join
+
+    def register(self, name: str) -> int:
+        """A node id: the one this name had, when that node is gone (a restarted node keeps its
+        searcher ranks), else a new one."""
+        with self.lock:
+            node_id = self.names.get(name)
+            if node_id is None or node_id in self.live:
+                node_id = max([0, *self.live, *self.names.values()]) + 1
+                self.names.setdefault(name, node_id)
+            self.live.add(node_id)
+            self.setup.connected.value = len(self.live)
+            return node_id
+
+    def unregister(self, node_id: int) -> None:
+        with self.lock:
+            self.live.discard(node_id)
+            self.setup.connected.value = len(self.live)
+
+    def serve(self, conn, peer: str) -> None:
+        """One node from handshake to goodbye; its failure is logged and ends only its link."""
+        join = self.handshake(conn, peer)
+        if join is None:
+            conn.close()
+            return
+        set_peer_timeouts(conn)
+        node_id = self.register(join.name)
+        label = f"node {node_id} ({join.name}, {peer})"
+        link = _NodeLink(conn, node_id, label, collections.deque())
+        self.log(f"{link.label} joined")
+        try:
+            link.send(self.welcome(node_id))
+            link.last_heard = time.monotonic()
+            self.serve_link(link)
+            link.send(self.goodbye)
+        except RunEnded as exc:
+            self.log(f"{link.label} left: {exc}")
+        except (EOFError, OSError, TimeoutError) as exc:
+            self.log(f"{link.label} lost: {exc!r}; the run goes on without it")
+        except Exception:  # noqa: BLE001 -- any fault of one node ends its link, not the run
+            self.log(f"{link.label} dropped on an error:\n{traceback.format_exc()}")
+        finally:
+            self.unregister(node_id)
+            conn.close()
+
+    def welcome(self, node_id: int) -> Welcome:
+        s = self.setup
+        layout = [(name, shape) for name, _, shape in s.store.layout]
+        return Welcome(
+            node_id,
+            s.cfg,
+            s.examples,
+            s.reward_fn,
+            s.probe,
+            layout,
+            s.store.flat.dtype,
+            credit=s.cfg.queue_size,
+        )
+
+    def serve_link(self, link: _NodeLink) -> None:
+        """The node's messages in, its batches onto the trainer's queue, the newest version out,
+        heartbeats both ways; until the run ends."""
+        inbox = queue_lib.Queue()  # bounded in effect: the node sends batches against credit
+        threading.Thread(target=_read_into, args=(link.conn, inbox), daemon=True).start()
+        while not self.closing.is_set():
+            with contextlib.suppress(queue_lib.Empty):
+                message = inbox.get(timeout=0.05)
+                if isinstance(message, Exception):
+                    raise message
+                self.on_message(link, message)
+                link.last_heard = time.monotonic()
+            self.forward(link)
+            self.send_newest(link)
+            if time.monotonic() - link.last_sent > HEARTBEAT_S:
+                link.send(Heartbeat())
+            if time.monotonic() - link.last_heard > PEER_TIMEOUT_S:
+                raise TimeoutError(f"no word for {PEER_TIMEOUT_S:.0f}s")
+
+    def on_message(self, link: _NodeLink, message) -> None:
+        if isinstance(message, Batch):  # searcher s of node j reports as rank 100 j + s
+            message.rank += REMOTE_RANK_BASE * link.node_id
+            link.pending.append(message)
+        elif isinstance(message, Want):
+            link.have = message.have
+            link.wants = True
+        elif isinstance(message, Failure):
+            self.log(f"{link.label}: searcher {message.rank} failed:\n{message.traceback}")
+        elif isinstance(message, Bye):
+            raise RunEnded(message.reason)
+        elif not isinstance(message, Heartbeat):
+            raise TypeError(f"unexpected message {type(message).__name__}")
+
+    def forward(self, link: _NodeLink) -> None:
+        """The node's batches onto the trainer's bounded queue, a credit back for each: when the
+        trainer falls behind, the node's own queue fills and its searchers wait, as local ones."""
+        while link.pending:
+            try:
+                self.setup.out_queue.put(link.pending[0], timeout=0.05)
+            except queue_lib.Full:
+                return
+            link.pending.popleft()
+            link.send(Credit(1))
+
+    def send_newest(self, link: _NodeLink) -> None:
+        """The newest version, when the node is ready for one and holds an older one: a node
+        never queues versions, it skips to the newest (latest wins)."""
+        if not link.wants or self.setup.store.version() <= link.have:
+            return
+        version, probe, flat = self.newest()
+        send_version(link.conn, flat, version, probe)
+        link.wants = False
+        link.last_sent = link.last_heard = time.monotonic()  # it was reading all along
+
+    def newest(self) -> tuple[int, float, torch.Tensor]:
+        """A CPU copy of the newest published version, read as a searcher reads (the seqlock:
+        copy, then check that no publish overlapped), shared by every node's thread."""
+        store = self.setup.store
+        with self.lock:
+            if store.version() > self.snapshot[0]:
+                flat = torch.empty(store.flat.shape, dtype=store.flat.dtype)
+                version, probe = store.load_into(lambda views: flat.copy_(store.flat))
+                self.snapshot = (version, probe, flat)
+            return self.snapshot
+
+
+def _read_into(conn, inbox: queue_lib.Queue) -> None:
+    """Read a node's messages as they come, in a thread of their own: while the gateway sends
+    the node a version, the node may be sending batches, and a side that stopped reading could
+    leave both blocked on full socket buffers. The error that ends the link goes in last."""
+    try:
+        while True:
+            inbox.put(conn.recv())
+    except (EOFError, OSError) as exc:
+        inbox.put(exc)
+
+
+def gateway_main(setup: GatewaySetup) -> None:
+    """Process entry point: listen on ``cfg.listen`` only, serve nodes until the run ends or
+    the trainer process is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer owns shutdown
+    torch.set_num_threads(1)
+    gateway = _Gateway(setup)
+    try:
+        listener = Listener(parse_address(setup.cfg.listen), family="AF_INET")
+    except OSError as exc:
+        setup.status.put(f"cannot listen on {setup.cfg.listen}: {exc}")
+        raise SystemExit(1) from None
+    setup.status.put("listening")
+    gateway.log(f"listening on {setup.cfg.listen}")
+    threading.Thread(target=gateway.accept_loop, args=(listener,), daemon=True).start()
+    parent = multiprocessing.parent_process()
+    while not setup.stop_event.is_set() and parent.is_alive():
+        time.sleep(0.2)
+    if not parent.is_alive():
+        gateway.goodbye = Bye("the trainer process is gone", clean=False)
+    gateway.closing.set()
+    listener.close()
+    deadline = time.monotonic() + 5.0
+    for thread in list(gateway.threads):  # each says goodbye to its node
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    setup.out_queue.cancel_join_thread()  # never block exit on a queue nobody reads any more
+
+
+# ----------------------------------------------------------------------------- a searcher node
+
+
+class NodePool(SearcherPool):
+    """A node's searchers: a SearcherPool (start, watch, restart) whose batches go to the bridge
+    instead of a buffer."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches: list[Batch] = []
+
+    def drain(self, timeout: float = 0.0) -> list[Ready | Batch | Failure]:
+        messages = super().drain(timeout)
+        self.batches += [m for m in messages if isinstance(m, Batch)]
+        return messages
+
+    def take(self, limit: int) -> list[Batch]:
+        """Up to ``limit`` batches; reads the queue (and handles failures) only while fewer are
+        held, so that a node the trainer holds back keeps its searchers waiting, not its RAM."""
+        if len(self.batches) < max(limit, 1):
+            self.collect()
+        taken, self.batches = self.batches[:limit], self.batches[limit:]
+        return taken
+
+
+class NodeBridge:
+    """The node's end of its link to the trainer: sends the node's batches (within the credit
+    the gateway grants) and installs each version it receives in the node's store whole. A
+    version lands in ``staging`` first and is published (seqlock) only once complete, so a
+    searcher never sees a partial one; a cut transfer leaves the previous version in place."""
+
+    def __init__(self, conn, store: WeightStore, credit: int):
+        self.conn = conn
+        self.store = store
+        self.credit = credit
+        self.staging = torch.empty_like(store.flat)
+        self.last_heard = self.last_sent = time.monotonic()
+        self.send(Want(store.version()))
+
+    def send(self, message) -> None:
+        self.conn.send(message)
+        self.last_sent = time.monotonic()
+
+    def install(self, header: VersionHeader) -> None:
+        """Receive a whole version into staging, then publish it into the node's store."""
+        receive_version(self.conn, header, self.staging)
+        named = [
+            (name, self.staging[offset : offset + math.prod(shape)].view(shape))
+            for name, offset, shape in self.store.layout
+        ]
+        self.store.publish(named, header.version, header.probe)
+        self.send(Want(header.version))
+
+    def poll(self, timeout: float) -> None:
+        """Handle what the trainer sent (after up to ``timeout`` s), then heartbeat; raises
+        RunEnded on its goodbye, NodeError when it has been silent for PEER_TIMEOUT_S."""
+        while self.conn.poll(timeout):
+            timeout = 0.0
+            message = self.conn.recv()
+            if isinstance(message, VersionHeader):
+                self.install(message)
+            elif isinstance(message, Credit):
+                self.credit += message.count
+            elif isinstance(message, Bye) and message.clean:
+                raise RunEnded(message.reason)
+            elif isinstance(message, Bye):
+                raise NodeError(message.reason)
+            elif not isinstance(message, Heartbeat):
+                raise TypeError(f"node: unexpected message {type(message).__name__}")
+            self.last_heard = time.monotonic()
+        if time.monotonic() - self.last_heard > PEER_TIMEOUT_S:
+            raise NodeError(f"no word from the trainer for {PEER_TIMEOUT_S:.0f}s")
+        if time.monotonic() - self.last_sent > HEARTBEAT_S:
+            self.send(Heartbeat())
+
+    def run(self, pool: NodePool) -> None:
+        """1d across the link: batches out as credit allows, versions in; until the run ends."""
+        while True:
+            for batch in pool.take(self.credit):
+                self.send(batch)
+                self.credit -= 1
+            self.poll(0.05)
+
+
+def connect(address: str, secret: bytes, timeout_s: float) -> Any:
+    """An authenticated connection to the trainer's gateway; retried while nothing listens
+    there yet (a cluster may start nodes before the trainer), refused loudly on a wrong secret."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return Client(parse_address(address), family="AF_INET", authkey=secret)
+        except AuthenticationError:
+            raise NodeError(
+                f"the trainer at {address} refused this node: its secret ({SECRET_ENV} or "
+                "--secret_file) is not the run's"
+            ) from None
+        except ConnectionRefusedError as exc:
+            if time.monotonic() > deadline:
+                raise NodeError(f"no trainer at {address} within {timeout_s}s: {exc}") from None
+            time.sleep(1.0)
+
+
+def node_config(welcome: Welcome, overrides: dict) -> TBAConfig:
+    """The trainer's config with this node's own fields (NODE_FIELDS) and seeds."""
+    unknown = sorted(set(overrides) - set(NODE_FIELDS))
+    if unknown:
+        raise NodeError(
+            f"a node takes its config from the trainer; {unknown} cannot be set on a node "
+            f"(these can: {', '.join(NODE_FIELDS)})"
+        )
+    return dataclasses.replace(
+        welcome.cfg,
+        **overrides,
+        listen="",
+        seed=welcome.cfg.seed + NODE_SEED_STRIDE * welcome.node_id,
+    )
+
+
+def node_main(address: str, overrides: dict, log: Callable[[str], None] = print) -> None:
+    """A searcher node (``run_gsm8k.py --join HOST:PORT``): join the trainer, run searchers
+    against a node-local store and queue, bridge them until the trainer says goodbye or is
+    gone (then every process of the node exits)."""
+    secret = read_secret(overrides.get("secret_file", ""))
+    conn = connect(address, secret, overrides.get("timeout_s", 600.0))
+    set_peer_timeouts(conn)
+    old_handlers = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        old_handlers[sig] = signal.signal(sig, _raise_keyboard_interrupt)
+    pool = None
+    try:
+        conn.send(Join(socket.gethostname()))
+        if not conn.poll(PEER_TIMEOUT_S):
+            raise NodeError(f"the trainer at {address} sent no welcome")
+        welcome = conn.recv()
+        cfg = node_config(welcome, overrides)
+        meta = [(name, torch.empty(shape, device="meta")) for name, shape in welcome.layout]
+        store = WeightStore(meta, welcome.dtype, torch.device("cpu"))
+        log(f"node {welcome.node_id}: joined {address} with {cfg.num_searchers} searcher(s)")
+        pool = NodePool(cfg, welcome.examples, welcome.reward_fn, store, welcome.probe, log=log)
+        pool.start()
+        NodeBridge(conn, store, welcome.credit).run(pool)
+    except RunEnded as exc:
+        log(f"node: {exc}")
+    except (EOFError, OSError) as exc:
+        raise NodeError(f"lost the trainer at {address}: {exc!r}") from None
+    finally:
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+        if pool is not None:
+            pool.stop()
+        conn.close()
