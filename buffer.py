@@ -418,9 +418,10 @@ class ReplayBuffer:
 
     @_locked
     def state_dict(self) -> dict:
-        """Plain Python containers and bytes only, so it loads with
+        """Plain Python containers and strings only, so it loads with
         ``torch.load(weights_only=True)`` without unpickling arbitrary objects. Items keep their
-        packed bytes; a prompt's bytes are one object, which pickle writes once."""
+        packed bytes (as latin-1 strings, ``_text``); a prompt's are one object, which pickle
+        writes once."""
         return {
             "format": STATE_FORMAT,
             "packing": _packing(),
@@ -483,18 +484,31 @@ STATE_FORMAT = 2
 _COUNT_TYPE = "q"  # of versions and byte lengths in a state
 
 
+def _text(packed: bytes | None) -> str | None:
+    """Packed bytes as a latin-1 string for a state. torch.save pickles bytes as a latin-1
+    string anyway (pickle protocol 2), except empty bytes, which it writes as a call of
+    ``bytes`` that torch.load(weights_only=True) refuses; an empty response or per-token list
+    is real (a response of only EOS)."""
+    return None if packed is None else packed.decode("latin-1")
+
+
+def _packed(text: str | bytes | None) -> bytes | None:
+    """``_text`` undone; bytes (states written before ``_text``) pass through."""
+    return text.encode("latin-1") if isinstance(text, str) else text
+
+
 def _columns(group: list[StoredTrajectory]) -> dict:
     """A group's items as one record of columns (state format 2); field names as in Trajectory,
-    GRPO's per-token log-probs one packed item (or None) each."""
+    GRPO's per-token log-probs one packed item (or None) each; packed bytes as ``_text``."""
     return {
-        "prompt_tokens": group[0].prompt,
-        "response_tokens": b"".join(t.response for t in group),
-        "response_bytes": pack([len(t.response) for t in group], _COUNT_TYPE),
-        "reward": pack([t.reward for t in group], FLOAT_TYPE),
-        "ref_logprob": pack([t.ref_logprob for t in group], FLOAT_TYPE),
-        "version": pack([t.version for t in group], _COUNT_TYPE),
-        "logprobs": [t.packed_logprobs for t in group],
-        "ref_token_logprobs": [t.packed_ref_token_logprobs for t in group],
+        "prompt_tokens": _text(group[0].prompt),
+        "response_tokens": _text(b"".join(t.response for t in group)),
+        "response_bytes": _text(pack([len(t.response) for t in group], _COUNT_TYPE)),
+        "reward": _text(pack([t.reward for t in group], FLOAT_TYPE)),
+        "ref_logprob": _text(pack([t.ref_logprob for t in group], FLOAT_TYPE)),
+        "version": _text(pack([t.version for t in group], _COUNT_TYPE)),
+        "logprobs": [_text(t.packed_logprobs) for t in group],
+        "ref_token_logprobs": [_text(t.packed_ref_token_logprobs) for t in group],
     }
 
 
@@ -503,16 +517,18 @@ def _from_columns(
 ) -> list[StoredTrajectory]:
     """The items of a record of ``_columns``; ``prompt``, when given, replaces its prompt. A
     record without per-token log-probs gives None."""
-    sizes = unpack(columns["response_bytes"], _COUNT_TYPE)
-    rewards = unpack(columns["reward"], FLOAT_TYPE)
-    ref_logprobs = unpack(columns["ref_logprob"], FLOAT_TYPE)
-    versions = unpack(columns["version"], _COUNT_TYPE)
-    logprobs = columns.get("logprobs") or [None] * len(sizes)
-    ref_token_logprobs = columns.get("ref_token_logprobs") or [None] * len(sizes)
+    sizes = unpack(_packed(columns["response_bytes"]), _COUNT_TYPE)
+    rewards = unpack(_packed(columns["reward"]), FLOAT_TYPE)
+    ref_logprobs = unpack(_packed(columns["ref_logprob"]), FLOAT_TYPE)
+    versions = unpack(_packed(columns["version"]), _COUNT_TYPE)
+    logprobs = [_packed(x) for x in columns.get("logprobs") or [None] * len(sizes)]
+    ref_token_logprobs = [
+        _packed(x) for x in columns.get("ref_token_logprobs") or [None] * len(sizes)
+    ]
     if not len(sizes) == len(rewards) == len(ref_logprobs) == len(versions) == len(logprobs):
         raise ValueError(f"ReplayBuffer.load_state_dict: columns of unequal length, {prompt_id!r}")
-    prompt = columns["prompt_tokens"] if prompt is None else prompt
-    responses = columns["response_tokens"]
+    prompt = _packed(columns["prompt_tokens"]) if prompt is None else prompt
+    responses = _packed(columns["response_tokens"])
     items = []
     start = 0
     for i, size in enumerate(sizes):

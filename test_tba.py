@@ -943,6 +943,20 @@ class ListLayoutBuffer(ReplayBuffer):
         return list(items)
 
 
+def test_buffer_checkpoint_with_empty_responses_loads_weights_only(tmp_path):
+    """An empty response and empty per-token lists (a response of only an unscored EOS) survive
+    torch.save and torch.load(weights_only=True): pickle writes empty bytes as a call that the
+    weights-only unpickler refuses."""
+    buffer = ReplayBuffer(capacity=4, seed=0)
+    buffer.add(Trajectory("p", [5, 6], [], 1.0, -0.5, 3, logprobs=[], ref_token_logprobs=[]))
+    buffer.add(Trajectory("p", [5, 6], [7, 2**31 - 1], 0.0, -1.5, 4, [-0.1, -0.2], [-0.3, -0.4]))
+    torch.save(buffer.state_dict(), tmp_path / "buffer.pt")
+    loaded = ReplayBuffer()
+    loaded.load_state_dict(torch.load(tmp_path / "buffer.pt", weights_only=True))
+    assert loaded.sample(1, 2)[0] == buffer.sample(1, 2)[0]
+    assert sorted(len(t.response_tokens) for t in loaded.sample(1, 2)[0][0]) == [0, 2]
+
+
 def test_buffer_packed_layout_draws_what_the_list_layout_drew():
     """Packed items change no draw: against the list layout, the same seed gives the same
     prompts, items and flags through duplicates, out-of-order versions, evictions, syncs and
