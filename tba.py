@@ -17,7 +17,8 @@ The algorithm (the main loops in the code are labelled with these numbers)
      c. score r(x, y) and log p_ref(y|x) (with --loss grpo also per token, and keep the
         engine's per-token log pi_old(y_t|x, y_<t) of each sampled token);
      d. send the trajectories (x, y, r, log p_ref, version) through a bounded queue.
-  2. The trainer (trainer.py) drains the queue into a replay buffer grouped by prompt (buffer.py).
+  2. The trainer (trainer.py) drains the queue into a replay buffer grouped by prompt (buffer.py),
+     on a thread of its own (trainer.Intake), so that intake overlaps the step.
      It waits for the initial fill, then only while its newest data is over max_lag versions old
      (or, with max_train_lag, until P prompts hold data at most that many versions old).
   3. Each step samples P groups of K trajectories. With probability m a group is MOP: a prompt
@@ -48,6 +49,10 @@ The TL;DR preset (run_tldr.py) is the released TL;DR run; its schedules need two
 the GSM8K run leaves at their defaults: decay_shape linear (transformers' default linear decay,
 no warmup) and beta_cut_step (beta anneals 1.0 -> 0.05 over 128 updates but drops to 0.05 at
 update 32). Its searchers score summaries with a reward model (rewards.RewardModelReward).
+The red-teaming preset (run_redteam.py) is Lee et al.'s GPT-2 run mapped onto TB: the attack is
+the response, r(x) the mean log-toxicity of the victim's answers, their prior term log p_ref(x)
+TB's own reference term (gamma = 1), their reward-temperature anneal a beta anneal; its module
+docstring gives the mapping and each number's source.
 
 The GRPO baseline (--loss grpo; ``grpo_loss``), run by the same searchers, buffer and trainer:
 the on-policy policy-gradient method TBA is compared with. It follows Hugging Face TRL's
