@@ -655,6 +655,9 @@ class SearcherPool:
         self.ready: set[int] = set()  # ranks whose running process has sent Ready
         self.arrived: list[BatchStats] = []  # of the batches since the last metrics()
         self.latest: dict[int, BatchStats] = {}  # rank -> of its newest batch
+        # rank -> the engine's checksum after its newest load: a searcher's version changes only
+        # by a load, so this is the checksum of the version its newest batch reports.
+        self.checksums: dict[int, float] = {}
 
     def start(self, rank: int | None = None) -> None:
         """Start searcher ``rank``, or all of them."""
@@ -718,6 +721,8 @@ class SearcherPool:
                 trajectories += message.trajectories
                 self.arrived.append(message.stats)
                 self.latest[message.rank] = message.stats
+                if message.stats.checksum is not None:
+                    self.checksums[message.rank] = message.stats.checksum
             else:
                 raise TypeError(f"SearcherPool: unexpected message {type(message).__name__}")
         for rank, proc in enumerate(self.procs):
@@ -744,8 +749,8 @@ class SearcherPool:
             out[f"searcher{rank}/busy_frac"] = latest.busy_frac
             out[f"searcher{rank}/version"] = float(latest.version)
             out[f"searcher{rank}/peak_mem_gb"] = latest.peak_mem_gb
-            if latest.checksum is not None:
-                out[f"searcher{rank}/checksum"] = latest.checksum
+            if rank in self.checksums:
+                out[f"searcher{rank}/checksum"] = self.checksums[rank]
         return out
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -922,6 +927,7 @@ def run_tba(
             disable=not show_progress,
             dynamic_ncols=True,
         )
+        checkpoint_s = 0.0  # seconds of the latest periodic save, reported in the next row
         with open(metrics_path, "a") as metrics_file:
             while trainer.step < cfg.total_steps:
                 # 2. The intake thread fills the buffer; wait only when the trainer may not step.
@@ -953,20 +959,22 @@ def run_tba(
                 metrics["time/publish"] = publish_s
                 metrics["memory/trainer_peak_gb"] = peak_memory_gb(device)
                 metrics["time/step"] = time.perf_counter() - t0
-                checkpoint_s = 0.0
-                if trainer.step % (cfg.checkpoint_every or cfg.sync_every) == 0:
-                    t_save = time.perf_counter()
-                    trainer.save(ckpt_path)
-                    checkpoint_s = time.perf_counter() - t_save
-                metrics["time/checkpoint"] = checkpoint_s
-                # The whole iteration but the on_step callback (evaluation): time/step over
-                # time/loop is the share of the trainer's loop that trains.
-                metrics["time/loop"] = time.perf_counter() - t0
+                metrics["time/checkpoint"] = checkpoint_s  # the save after the previous row
+                # The whole iteration but the on_step callback (evaluation), with that save:
+                # time/step over time/loop is the share of the trainer's loop that trains.
+                metrics["time/loop"] = time.perf_counter() - t0 + checkpoint_s
                 if on_step is not None:
                     on_step(trainer, metrics)
                 print(json.dumps(metrics), file=metrics_file, flush=True)
                 bar.update(1)
                 bar.set_postfix(progress_fields(metrics))
+                # The checkpoint after the step's row: a kill between the two leaves the log a
+                # row ahead, which --resume cuts back; the other order would leave a hole.
+                checkpoint_s = 0.0
+                if trainer.step % (cfg.checkpoint_every or cfg.sync_every) == 0:
+                    t_save = time.perf_counter()
+                    trainer.save(ckpt_path)
+                    checkpoint_s = time.perf_counter() - t_save
     finally:
         if bar is not None:
             bar.close()
