@@ -628,7 +628,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     def on_step(trainer, metrics):
         if cfg.eval_every and trainer.step % cfg.eval_every == 0:
-            metrics["eval/accuracy"] = evaluator.accuracy(trainer.model, subset, "eval (subset)")
+            model = trainer.full_model()  # under --fsdp, gathered by every rank
+            metrics["eval/accuracy"] = evaluator.accuracy(model, subset, "eval (subset)")
 
     rl_start = time.time()
     trainer = run_tba(cfg, train, gsm8k_reward, on_step=on_step)

@@ -92,6 +92,8 @@ Deviations from the official code, with reasons
     of the P prompt groups, whole (log Z is per prompt); each rank weights its loss by its share
     of the batch (of the groups for TB, of the scored tokens for GRPO) and DDP sums the
     gradients, so a step equals one rank's step on the whole batch. One publish per version.
+    With --fsdp the ranks shard the weights (FSDP2) and every rank joins each gather of the
+    whole weights that rank 0 needs (publish, checkpoint, evaluation), on rank 0's message.
 
 Options beyond the paper, off in its preset, each one flag (README, "Why TB for asynchrony,
 measured"):
@@ -819,6 +821,12 @@ class TBAConfig:
         "run: 31); 0: no cut",
     )
     gradient_checkpointing: bool = _knob(False, "trade trainer compute for activation memory")
+    fsdp: bool = _knob(
+        False,
+        "under torchrun, shard the trainer's weights, gradients and AdamW moments over the ranks "
+        "(FSDP2 fully_shard per decoder layer, then the model) instead of replicating them (DDP): "
+        "for a policy that does not fit one GPU",
+    )
     micro_batch_size: int = _knob(
         20,
         "sequences per forward pass, in whole prompt groups (at least one; "

@@ -105,6 +105,7 @@ from trainer import (
     SearcherFailed,
     SearcherPool,
     Trainer,
+    full_tensor,
     padded,
     rank_device,
     run_tba,
@@ -2861,9 +2862,13 @@ def dp_batch(prompts: int, seed: int) -> list[list[Trajectory]]:
 DP_CASES = [("tb", 3, 3), ("grpo", 3, 3), ("tb", 4, 0)]
 
 
-def dp_trainer(model_dir: str, loss: str, prompts: int, micro: int, dp=None) -> Trainer:
+def dp_trainer(
+    model_dir: str, loss: str, prompts: int, micro: int, dp=None, fsdp: bool = False
+) -> Trainer:
     cfg = cpu_config(
         model_dir,
+        fsdp=fsdp,
+        max_grad_norm=0.5,  # the clipping runs on sharded gradients too
         loss=loss,
         num_generations=3,
         responses_per_prompt=3,
@@ -2877,23 +2882,50 @@ def dp_trainer(model_dir: str, loss: str, prompts: int, micro: int, dp=None) -> 
     return Trainer(cfg, torch.device("cpu"), pad_id=0, eos_id=1, dp=dp)
 
 
-def dp_results(model_dir: str, dp=None) -> list[dict]:
+def dp_results(model_dir: str, dp=None, fsdp: bool = False) -> list[dict]:
     """Per case of DP_CASES: backward's metrics and gradients on the batch, then the weights
-    after 3 updates on it."""
+    after 3 updates on it (whole: sharded ones gathered), and with ``fsdp`` the weights rank 0
+    would publish."""
     results = []
     for loss, prompts, micro in DP_CASES:
         groups = dp_batch(prompts, seed=prompts)
-        trainer = dp_trainer(model_dir, loss, prompts, micro, dp)
+        trainer = dp_trainer(model_dir, loss, prompts, micro, dp, fsdp)
         metrics = trainer.backward(groups, 0.05)
-        grads = [p.grad.clone() for p in trainer.model.parameters()]
+        grads = [full_tensor(p.grad).clone() for p in trainer.model.parameters()]
         for _ in range(3):
             trainer.update(groups)
-        weights = [p.detach().clone() for p in trainer.model.parameters()]
-        results.append({"metrics": metrics, "grads": grads, "weights": weights})
+        weights = [full_tensor(p.detach()).clone() for p in trainer.model.parameters()]
+        result = {"metrics": metrics, "grads": grads, "weights": weights}
+        if fsdp:
+            result["published"] = [w.clone() for _, w in trainer.weights_to_publish()[1]]
+        if fsdp or dp is None:
+            path = Path(model_dir) / f"resume-{1 if dp is None else 2}-{loss}-{prompts}.pt"
+            result["resumed"] = resumed_weights(trainer, path, groups, dp)
+        results.append(result)
     return results
 
 
-def _dp_rank(rank: int, world: int, port: int, model_dir: str, out_queue) -> None:
+def resumed_weights(trainer: Trainer, path: Path, groups, dp=None) -> list[torch.Tensor]:
+    """The weights after one more update by a trainer loaded from ``trainer``'s checkpoint at
+    ``path``. Sharded, rank 0 writes it with every rank's gather (the ``"save"`` message), and
+    every rank reads it."""
+    if dp is None or dp.rank == 0:
+        trainer.save(path)
+    else:
+        assert dp.receive() == "save"
+        trainer.full_state()
+    if dp is not None:
+        dp.sum([0.0])  # every rank past the save
+    resumed = Trainer(trainer.cfg, torch.device("cpu"), pad_id=0, eos_id=1, dp=dp)
+    resumed.load(path)
+    assert resumed.step == trainer.step
+    resumed.update(groups)
+    return [full_tensor(p.detach()).clone() for p in resumed.model.parameters()]
+
+
+def _dp_rank(
+    rank: int, world: int, port: int, model_dir: str, out_queue, fsdp: bool = False
+) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -2903,7 +2935,7 @@ def _dp_rank(rank: int, world: int, port: int, model_dir: str, out_queue) -> Non
     )
     torch.set_num_threads(1)
     dp = DataParallel.from_env("cpu", timeout_s=60)
-    out_queue.put((rank, pickle.dumps(dp_results(model_dir, dp))))  # tensors by value
+    out_queue.put((rank, pickle.dumps(dp_results(model_dir, dp, fsdp))))  # tensors by value
     dp.close()
 
 
@@ -2930,17 +2962,20 @@ def test_data_parallel_shares_are_whole_contiguous_groups():
 
 
 @pytest.mark.slow
-def test_two_data_parallel_ranks_equal_one_rank(tiny_model_dir):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_two_data_parallel_ranks_equal_one_rank(tiny_model_dir, fsdp):
     """2 ranks (gloo on loopback, spawned) give the loss, the metrics and the gradient of 1
     rank on the same batch, for TB and GRPO, with P = 3 split 2 + 1 and P = 4 split 2 + 2, and
-    the same weights after 3 AdamW steps, on both ranks."""
+    the same weights after 3 AdamW steps, on both ranks; replicated (DDP) or sharded (FSDP2,
+    gradients and weights gathered; rank 0 publishes the whole weights, rank 1 none, and a
+    checkpoint round trip, AdamW moments included, gives the 4th step of 1 rank's round trip)."""
     with time_limit(120):
         want = dp_results(tiny_model_dir)
         ctx = multiprocessing.get_context("spawn")
         out_queue = ctx.Queue()
         port = free_port()
         procs = [
-            ctx.Process(target=_dp_rank, args=(r, 2, port, tiny_model_dir, out_queue))
+            ctx.Process(target=_dp_rank, args=(r, 2, port, tiny_model_dir, out_queue, fsdp))
             for r in range(2)
         ]
         for proc in procs:
@@ -2967,6 +3002,13 @@ def test_two_data_parallel_ranks_equal_one_rank(tiny_model_dir):
             for a, b in zip(mine["grads"], want_case["grads"], strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
             for a, b in zip(mine["weights"], want_case["weights"], strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        if fsdp:
+            for rank in (0, 1):
+                for a, b in zip(got[rank][case]["resumed"], want_case["resumed"], strict=True):
+                    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+            assert got[1][case]["published"] == []
+            for a, b in zip(got[0][case]["published"], want_case["weights"], strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
@@ -3089,6 +3131,43 @@ def test_killed_data_parallel_rank_stops_the_run_with_a_checkpoint_and_resume_co
                 os.killpg(proc.pid, signal.SIGKILL)
         assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, step + 3))
         assert json.loads((tmp_path / "results.json").read_text())["steps"] == step + 2
+
+
+@pytest.mark.slow
+def test_sharded_data_parallel_run_publishes_evaluates_and_saves(tiny_model_dir, tmp_path):
+    """The main job on 2 ranks with --fsdp: every gather rank 0 needs (publish with the parity
+    probe, evaluation, checkpoint, the final model) is joined by rank 1, the searchers load
+    weights that pass the parity check, and the run ends cleanly."""
+    with time_limit(90):
+        proc = start_dp_run(
+            tiny_model_dir,
+            tmp_path,
+            "--fsdp",
+            "--total_steps",
+            "4",
+            "--sync_every",
+            "2",
+            "--eval_every",
+            "2",
+            "--parity_check",
+            "--parity_tol",
+            "1e-4",
+        )
+        try:
+            assert proc.wait(timeout=80) == 0, (tmp_path / "run.log").read_text()[-3000:]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [("eval/accuracy" in r) for r in rows] == [False, True, False, True]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["steps"] == 4
+    assert "parity checked after every load" in results["summary"]["weights"]
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["trainer"]
+    assert state["step"] == 4
+    assert "model.embed_tokens.weight" in state["model"]
+    assert (tmp_path / "final" / "config.json").exists()
 
 
 # ============================================================================= red-teaming

@@ -44,6 +44,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 from transformers import AutoTokenizer
@@ -125,7 +134,11 @@ class DataParallel:
     (tba.py, "Data parallel"). Rank 0 runs the single-node system: searchers, replay buffer,
     weight store, metrics, evaluation and checkpoints. Every rank scores its contiguous share of
     each step's P prompt groups; DDP sums the gradients. Each message of rank 0 is one broadcast:
-    ``"start"``, a step's groups, or ``None`` (stop)."""
+    ``"start"``, a step's groups, or ``None`` (stop). With ``--fsdp`` the weights are sharded, so
+    whatever needs them whole is a collective every rank joins, announced by rank 0:
+    ``("publish", probe)`` (the parity probe's forward and the gather of the full weights) and
+    ``"save"`` (the gather of the full weights and AdamW moments for the checkpoint) and
+    ``"gather"`` (a whole copy of the model on rank 0, for evaluation)."""
 
     rank: int
     world_size: int
@@ -218,9 +231,15 @@ class DataParallel:
 
     def check_same(self, trainer: Trainer) -> None:
         """Raise unless every rank starts from the same step and weights (a resumed rank that
-        found no checkpoint, on a file system the ranks do not share, would not)."""
-        with torch.no_grad():
-            checksum = sum(p.double().sum().item() for p in trainer.model.parameters())
+        found no checkpoint, on a file system the ranks do not share, would not). Sharded, the
+        checksum is of the gathered whole weights, the same on every rank: the step tells."""
+        try:
+            with torch.no_grad():
+                checksum = sum(
+                    full_tensor(p).double().sum().item() for p in trainer.model.parameters()
+                )
+        except RuntimeError as e:
+            raise self.failed("gathering the weights", e) from e
         mine = torch.tensor([trainer.step, checksum], dtype=torch.float64, device=self.device)
         low, high = mine.clone(), mine.clone()
         try:
@@ -238,6 +257,39 @@ class DataParallel:
 
     def _object_device(self) -> torch.device | None:
         return self.device if self.device.type == "cuda" else None
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a shard (FSDP's DTensor: an all-gather every rank joins), or
+    ``tensor`` itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_model(model: torch.nn.Module, dp: DataParallel) -> None:
+    """FSDP2 over the data-parallel ranks: each decoder layer (the classes transformers keeps
+    whole, ``_no_split_modules``) one unit, gathered for its forward and backward only, then the
+    model, whose unit holds the rest (embeddings, final norm, head). Gradients are averaged over
+    the ranks, as DDP's are."""
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(
+            f"--fsdp: {type(model).__name__} names no decoder layer class (_no_split_modules)"
+        )
+    mesh = init_device_mesh(dp.device.type, (dp.world_size,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+@contextlib.contextmanager
+def gradient_sync_off(model):
+    """FSDP2's ``no_sync``: gradients accumulate unreduced until a backward outside."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def is_collective_error(error: RuntimeError) -> bool:
@@ -304,6 +356,7 @@ class Trainer:
         # weights and AdamW moments are in `dtype` itself (the released run: bf16).
         mixed = cfg.fp32_master_weights and cfg.dtype != "float32"
         weights_dtype = torch.float32 if mixed else cfg.torch_dtype()
+        self.weights_dtype = weights_dtype
         self.model = load_causal_lm(cfg.model, weights_dtype, device, cfg.trust_remote_code)
         if cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -311,9 +364,15 @@ class Trainer:
         # Data parallel: the forward runs through DDP, which averages the gradients over the
         # ranks at the backward of each step's last pass (``passes`` scales the losses so that
         # the average is the whole batch's gradient); ``self.model`` stays the bare model.
+        # With --fsdp, fully_shard instead: each rank keeps a shard of the weights, gradients
+        # and moments, and the forward runs through the bare (sharded) model.
         self.dp = dp
         self.ddp = None
-        if dp is not None:
+        self.sharded = dp is not None and cfg.fsdp
+        if self.sharded:
+            dp.check(cfg)
+            shard_model(self.model, dp)
+        elif dp is not None:
             dp.check(cfg)
             self.ddp = DistributedDataParallel(
                 GroupScorer(self.model),
@@ -368,18 +427,31 @@ class Trainer:
         return self.dp.share(count) if self.dp is not None else range(count)
 
     def passes(self, groups: list[list[Trajectory]]):
-        """(first index, the pass's groups, sync context) of each forward pass over this rank's
-        share. Data parallel, the gradient is reduced only at the backward of the last pass
-        (DDP's ``no_sync`` before), and each pass's loss is multiplied by the number of ranks,
-        which DDP's average divides out (``grad_scale``)."""
+        """(first index, the pass's groups, its weight, sync context) of each forward pass over
+        this rank's share. Data parallel, the gradient is reduced only at the backward of the
+        last pass (DDP's ``no_sync`` before), and each pass's loss is multiplied by the number of
+        ranks, which the average over the ranks divides out (``grad_scale``). Sharded (FSDP),
+        every forward and backward gathers weights with all ranks, so every rank runs as many
+        passes as the rank with the largest share: a rank with fewer repeats its last pass with
+        weight 0 (no gradient, no metrics)."""
         mine = self.share(len(groups))
         per_pass = self.groups_per_pass(len(mine))
         firsts = list(range(mine.start, mine.stop, per_pass))
-        for first in firsts:
+        weights = [1.0] * len(firsts)
+        if self.sharded:
+            most = math.ceil(len(groups) / self.dp.world_size)
+            extra = math.ceil(most / self.groups_per_pass(most)) - len(firsts)
+            firsts += [firsts[-1]] * extra
+            weights += [0.0] * extra
+        for i, (first, weight) in enumerate(zip(firsts, weights, strict=True)):
             chunk = groups[first : min(first + per_pass, mine.stop)]
-            last = first == firsts[-1]
-            sync = self.ddp.no_sync() if self.ddp is not None and not last else None
-            yield first, chunk, sync or contextlib.nullcontext()
+            last = i == len(firsts) - 1
+            sync = None
+            if self.ddp is not None and not last:
+                sync = self.ddp.no_sync()
+            if self.sharded and not last:
+                sync = gradient_sync_off(self.model)
+            yield first, chunk, weight, sync or contextlib.nullcontext()
 
     def grad_scale(self) -> int:
         return self.dp.world_size if self.dp is not None else 1
@@ -425,14 +497,16 @@ class Trainer:
         loss_sum = 0.0
         log_z_sum = 0.0
         logp_sum = 0.0
-        for _, chunk, sync in self.passes(groups):
+        for _, chunk, weight, sync in self.passes(groups):
             with sync:
                 logp = self.score(chunk, per_token=False)
                 ref = torch.tensor([[t.ref_logprob for t in g] for g in chunk], device=self.device)
                 reward = torch.tensor([[t.reward for t in g] for g in chunk], device=self.device)
                 loss = tb_loss(logp, ref, reward, beta, cfg.tb_residual_bound)
                 loss = loss * (len(chunk) / len(groups))
-                (loss * self.grad_scale()).backward()
+                (loss * (weight * self.grad_scale())).backward()
+            if not weight:
+                continue
             loss_sum += loss.item()
             log_z_sum += tb_log_z(logp, ref, reward, beta).sum().item()
             logp_sum += logp.detach().sum().item()
@@ -462,7 +536,7 @@ class Trainer:
         keys = ("loss", "clip_frac", "kl", "ratio_mean")
         sums = dict.fromkeys(keys, 0.0)
         logp_sum = 0.0
-        for first, chunk, sync in self.passes(groups):
+        for first, chunk, weight, sync in self.passes(groups):
             flat = [t for g in chunk for t in g]
             with sync:
                 logp, mask = self.score(chunk, per_token=True)
@@ -479,7 +553,9 @@ class Trainer:
                 tokens = int(mask.sum())
                 share = tokens / max(total, 1)
                 loss = grpo_loss(logp, old, ref, mask, adv, cfg.grpo_clip_eps, cfg.grpo_kl_coef)
-                (loss * share * self.grad_scale()).backward()
+                (loss * share * (weight * self.grad_scale())).backward()
+            if not weight:
+                continue
             sums["loss"] += loss.item() * share
             for key, value in grpo_metrics(logp, old, ref, mask, adv, cfg.grpo_clip_eps).items():
                 sums[key] += value.item() * share
@@ -550,7 +626,7 @@ class Trainer:
         if cfg.loss == "tb":  # GRPO has no beta (its KL weight is grpo_kl_coef)
             metrics["train/beta"] = beta
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        grad_norm = full_tensor(torch.nn.utils.get_total_norm([p.grad for p in params]))
         if not torch.isfinite(grad_norm):
             raise FloatingPointError(
                 f"trainer step {self.step}: gradient norm is {grad_norm.item()}"
@@ -566,24 +642,79 @@ class Trainer:
         return metrics
 
     def publish(self, store: WeightStore) -> float:
-        """5. Copy the weights into the store as version ``step``; returns the seconds taken."""
+        """5. Copy the weights into the store as version ``step``; returns the seconds taken.
+        Sharded, every rank joins (``DataParallel``'s ``("publish", probe)``)."""
         t0 = time.perf_counter()
-        with self.autocast:
-            probe_logp = (
-                self.probe.logprob(self.model, self.pad_id, self.device) if self.probe else 0.0
-            )
-        store.publish(list(self.model.named_parameters()), self.step, probe_logp)
+        if self.sharded:
+            self.dp.send(("publish", self.probe))
+        probe_logp, named = self.weights_to_publish()
+        store.publish(named, self.step, probe_logp)
         self.buffer.mark_sync()  # most-on-policy now means refreshed after this publish
         if self.probe is not None:
             self.published[self.step] = weights_checksum(store.views())
         return time.perf_counter() - t0
 
+    def weights_to_publish(self) -> tuple[float, list[tuple[str, torch.Tensor]]]:
+        """The parity probe's log-prob and the named weights. Sharded, both are collectives
+        every rank runs at once: the probe's forward, then the gather of the full weights, which
+        reach rank 0 only (on the CPU; the other ranks get none)."""
+        with self.autocast:
+            probe_logp = (
+                self.probe.logprob(self.model, self.pad_id, self.device) if self.probe else 0.0
+            )
+        if not self.sharded:
+            return probe_logp, list(self.model.named_parameters())
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        try:
+            full = get_model_state_dict(self.model, options=options)
+        except RuntimeError as e:
+            raise self.dp.failed(f"gathering the weights of version {self.step}", e) from e
+        if not full:
+            return probe_logp, []
+        return probe_logp, [(name, full[name]) for name, _ in self.model.named_parameters()]
+
+    def full_model(self) -> torch.nn.Module | None:
+        """The policy whole, for evaluation and ``save_pretrained`` on rank 0: ``model`` itself,
+        or, sharded, a copy on the trainer device gathered by every rank at once (rank 0 sends
+        ``"gather"``); the other ranks get None."""
+        if not self.sharded:
+            return self.model
+        if self.dp.rank == 0:
+            self.dp.send("gather")
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        try:
+            full = get_model_state_dict(self.model, options=options)
+        except RuntimeError as e:
+            raise self.dp.failed(f"gathering the model of step {self.step}", e) from e
+        if self.dp.rank > 0:
+            return None
+        cpu = torch.device("cpu")
+        model = load_causal_lm(self.cfg.model, self.weights_dtype, cpu, self.cfg.trust_remote_code)
+        model.load_state_dict(full)
+        return model.to(self.device)
+
+    def full_state(self) -> tuple[dict, dict]:
+        """The model's and the optimizer's state dicts, whole. Sharded, a gather every rank runs
+        at once (``DataParallel``'s ``"save"``): rank 0 gets them on the CPU, keyed by parameter
+        name, the others empty dicts."""
+        if not self.sharded:
+            return self.model.state_dict(), self.optimizer.state_dict()
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        try:
+            return get_state_dict(self.model, self.optimizer, options=options)
+        except RuntimeError as e:
+            raise self.dp.failed(f"gathering the state of step {self.step}", e) from e
+
     def save(self, path: Path) -> None:
         """A resumable checkpoint of tensors and plain containers, written atomically (temporary
-        file, fsync, rename), so a kill during a save never breaks the latest checkpoint."""
+        file, fsync, rename), so a kill during a save never breaks the latest checkpoint.
+        Sharded, every rank joins the gather (``DataParallel``'s ``"save"``); rank 0 writes."""
+        if self.sharded:
+            self.dp.send("save")
+        model_state, optimizer_state = self.full_state()
         state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "buffer": self.buffer.state_dict(),
@@ -599,7 +730,17 @@ class Trainer:
     def load(self, path: Path) -> None:
         """``weights_only=True``: a checkpoint never unpickles arbitrary code."""
         state = torch.load(path, map_location=self.device, weights_only=True)["trainer"]
-        for part in ("model", "optimizer", "scheduler", "buffer"):
+        parts = ("model", "optimizer", "scheduler", "buffer")
+        if self.sharded:  # every rank reads the whole checkpoint and keeps its shard
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+                options=StateDictOptions(full_state_dict=True),
+            )
+            parts = ("scheduler", "buffer")
+        for part in parts:
             getattr(self, part).load_state_dict(state[part])
         self.step = state["step"]
         torch.set_rng_state(state["torch_rng"])
@@ -874,7 +1015,9 @@ def run_tba(
 
     Under torchrun (WORLD_SIZE > 1) this is rank 0 of a data-parallel trainer (``DataParallel``);
     the other ranks run ``follow_rank0`` instead, and return its Trainer (None when rank 0 stopped
-    before training)."""
+    before training). With ``--fsdp`` rank 0's returned Trainer holds the whole trained model,
+    gathered on its way out (``gather_on_exit``); ``on_step`` evaluates ``trainer.full_model()``.
+    """
     dp = DataParallel.from_env(cfg.trainer_device, cfg.timeout_s)
     device = dp.device if dp is not None else torch.device(cfg.trainer_device)
     torch.manual_seed(cfg.seed)
@@ -988,7 +1131,9 @@ def run_tba(
             gateway.stop()
         pool.stop()  # children first: every process of the run is gone before the save
         if trainer is not None:
-            trainer.save(ckpt_path)
+            save_on_exit(trainer, ckpt_path)
+        if trainer is not None and trainer.sharded:
+            gather_on_exit(trainer)
         if dp is not None:
             stop_followers(dp)
             for sig, handler in old_handlers.items():
@@ -1007,9 +1152,41 @@ def follow_rank0(cfg: TBAConfig, dp: DataParallel, tokenizer) -> Trainer | None:
     if cfg.resume and ckpt_path.exists():
         trainer.load(ckpt_path)
     dp.check_same(trainer)
-    while (groups := dp.receive()) is not None:
-        trainer.update(groups)
+    while (message := dp.receive()) is not None:
+        if message == "save":
+            trainer.full_state()
+        elif message == "gather":
+            trainer.full_model()
+        elif isinstance(message, tuple) and message[0] == "publish":
+            trainer.probe = message[1]
+            trainer.weights_to_publish()
+        else:
+            trainer.update(message)
     return trainer
+
+
+def save_on_exit(trainer: Trainer, path: Path) -> None:
+    """Rank 0's checkpoint on its way out. Sharded (--fsdp), it needs every rank; when one has
+    died, the last periodic checkpoint stands."""
+    try:
+        trainer.save(path)
+    except DataParallelFailed as e:
+        if not trainer.sharded:
+            raise
+        tqdm.write(f"{e}\n(no checkpoint on exit: the weights are sharded over the ranks)")
+
+
+def gather_on_exit(trainer: Trainer) -> None:
+    """Sharded, the end of rank 0's run: the whole trained model, gathered by every rank,
+    becomes rank 0's ``trainer.model`` (unsharded, on the trainer device), for the job's last
+    evaluation and ``save_pretrained`` after the ranks part; the trainer does not train after."""
+    try:
+        model = trainer.full_model()
+    except DataParallelFailed as e:
+        tqdm.write(f"{e}\n(the trained model stays sharded: it could not be gathered)")
+        return
+    trainer.model = model
+    trainer.sharded = False
 
 
 def stop_followers(dp: DataParallel) -> None:
