@@ -1434,11 +1434,15 @@ class _Gateway:
         label = f"node {node_id} ({join.name}, {peer})"
         link = _NodeLink(conn, node_id, label, collections.deque())
         self.log(f"{link.label} joined")
+        # Read a node's messages as they come, in a thread of their own (``_read_into``).
+        inbox = queue_lib.Queue()  # bounded in effect: the node sends batches against credit
+        threading.Thread(target=_read_into, args=(conn, inbox), daemon=True).start()
         try:
             link.send(self.welcome(node_id))
             link.last_heard = time.monotonic()
-            self.serve_link(link)
+            self.serve_link(link, inbox)
             link.send(self.goodbye)
+            _wait_for_hang_up(inbox, HEARTBEAT_S * 2)
         except RunEnded as exc:
             self.log(f"{link.label} left: {exc}")
         except (EOFError, OSError, TimeoutError) as exc:
@@ -1463,11 +1467,9 @@ class _Gateway:
             credit=s.cfg.queue_size,
         )
 
-    def serve_link(self, link: _NodeLink) -> None:
-        """The node's messages in, its batches onto the trainer's queue, the newest version out,
-        heartbeats both ways; until the run ends."""
-        inbox = queue_lib.Queue()  # bounded in effect: the node sends batches against credit
-        threading.Thread(target=_read_into, args=(link.conn, inbox), daemon=True).start()
+    def serve_link(self, link: _NodeLink, inbox: queue_lib.Queue) -> None:
+        """The node's messages in (from ``inbox``), its batches onto the trainer's queue, the
+        newest version out, heartbeats both ways; until the run ends."""
         while not self.closing.is_set():
             with contextlib.suppress(queue_lib.Empty):
                 message = inbox.get(timeout=0.05)
@@ -1536,8 +1538,19 @@ def _read_into(conn, inbox: queue_lib.Queue) -> None:
     try:
         while True:
             inbox.put(conn.recv())
-    except (EOFError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 -- any failure ends this link; serve() logs it
         inbox.put(exc)
+
+
+def _wait_for_hang_up(inbox: queue_lib.Queue, timeout: float) -> None:
+    """After the goodbye, drop what the node still sends until it closes its end (or
+    ``timeout`` s). Closing ours first, with the node's messages unread, would reset the
+    connection, and a reset can destroy the goodbye before the node reads it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(queue_lib.Empty):
+            if isinstance(inbox.get(timeout=0.05), Exception):
+                return
 
 
 def gateway_main(setup: GatewaySetup) -> None:
@@ -1715,6 +1728,6 @@ def node_main(address: str, overrides: dict, log: Callable[[str], None] = print)
     finally:
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
+        conn.close()  # first: the gateway waits for it after its goodbye (_wait_for_hang_up)
         if pool is not None:
             pool.stop()
-        conn.close()
