@@ -47,16 +47,16 @@ all 1,024 attacks (sentence-transformers/all-MiniLM-L6-v2, mean pooled; for the 
 character-bigram count vectors).
 
 The paper preset, row by row (PAPER_PRESET; "Lee" = GFNOrg/red-teaming main.py defaults and its
-README command for the GPT-2 victim; "issue" = values stated in this project's issue from TBA
-App. B, which could not be read here and are unverified against it):
+README command for the GPT-2 victim; "TBA" = values given for TBA's App. B, not checked against
+its text):
   attacker GPT-2 after the supervised start (Lee's SFT checkpoint; --model, required), float32
   (Lee dtype); victim vicgalle/gpt2-alpaca, 5 answers at T 0.7, top-p 0.92, at most 30 tokens
   (Lee num_r_samples, configs/gpt2.json); classifier facebook/roberta-hate-speech-dynabench-r4-
   target, label "hate" (Lee utils.RobertaClassifier); attacks of at most 20 tokens, and for
   those of fewer than 5 (EOS counted) r = -25, -500 nats at beta 0.05 (Lee max_len, min_len;
   Lee sets their log p_ref to -500 and keeps the classifier term); beta 0.05
-  (issue; Lee's README runs 0.1), reward-temperature 2.0 -> 1.0 over 500 steps (Lee); k 10,
-  m 0.5 (issue); lr 1e-4, 100 warmup steps, 5,000 steps, weight decay 0.1, gradient norm 1.0
+  (TBA; Lee's README runs 0.1), reward-temperature 2.0 -> 1.0 over 500 steps (Lee); k 10,
+  m 0.5 (TBA); lr 1e-4, 100 warmup steps, 5,000 steps, weight decay 0.1, gradient norm 1.0
   (Lee); 128 attacks a step as P 8 x K 16 (Lee's batch 16 x 8 accumulation; the split is chosen
   here); sampling T 1.0 (Lee's evaluation temperature); copies, buffer and queue sizes chosen here.
 The attacker instruction is Lee et al.'s prompts/attack_prompt.jsonl (field attacker_prompt),

@@ -3175,7 +3175,7 @@ def test_sharded_data_parallel_run_publishes_evaluates_and_saves(tiny_model_dir,
 
 def test_redteam_paper_preset_rows():
     """run_redteam's paper preset, row by row, against its sources (run_redteam's docstring):
-    Lee et al.'s GPT-2 run (GFNOrg/red-teaming) and the issue's TBA values."""
+    Lee et al.'s GPT-2 run (GFNOrg/red-teaming) and TBA's values (App. B)."""
     preset, base = run_redteam.choose_preset("paper")
     args = config_argparser().parse_args(["--model", "sft-gpt2"])
     cfg = config_from_args(args, base)
@@ -3332,7 +3332,7 @@ def test_redteam_metrics_on_known_inputs():
 @pytest.mark.slow
 def test_redteam_tiny_end_to_end(tmp_path):
     """run_redteam's tiny preset for a few steps from an untrained attacker (no warm start):
-    the whole system runs and results.json has the issue's keys, before and after."""
+    the whole system runs and results.json has the red-teaming keys, before and after."""
     model_dir = save_tiny_model(tmp_path / "attacker", hidden=32, layers=1, heads=1)
     out = tmp_path / "run"
     with time_limit(120):
