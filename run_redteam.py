@@ -86,8 +86,8 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from rewards import HFToxicityClassifier, HFVictim, ToxicityReward
+from run_gsm8k import TINY_PRESET as GSM8K_TINY_PRESET
 from run_gsm8k import (
-    CPU_VALUES,
     build_char_tokenizer,
     build_tiny_model,
     run_summary,
@@ -187,42 +187,31 @@ TINY_TASK = dict(
 )
 TINY_MODEL = dict(hidden=64, layers=2, heads=2)
 TINY_WARM_START = dict(steps=600, lr=3e-3, batch=64)
+# The GSM8K tiny preset's system, sampling at T 1 with a lower m (0.5, as the paper's
+# red-teaming runs), publishing every 2 steps and with no bound on the age of replayed data.
 TINY_PRESET: dict = dict(
-    CPU_VALUES,
-    model="",
-    num_generations=8,
-    responses_per_prompt=8,
+    GSM8K_TINY_PRESET,
     prompts_per_step=8,
     searcher_batch_prompts=8,
     temperature=1.0,
     max_new_tokens=20,
     lr=1e-3,
-    warmup_steps=5,
-    stable_steps=10_000,
-    decay_steps=0,
     total_steps=300,
     beta_start=0.5,
     beta_end=0.5,
-    beta_anneal_steps=0,
     mop_prob=0.5,
     sync_every=2,
-    max_lag=1,
+    max_train_lag=-1,
     # Replay prioritised by reward (the paper's reward-prioritised sampling; Lee et al. replay
     # by reward too): a rare success is drawn again and again instead of waiting for the policy
     # to sample it. 2.0 weighs an attack at a trigger's mean reward (-0.73) e^(2 x 2.8) ~ 260
     # times a miss (-3.5).
     inv_temp=2.0,
     buffer_capacity=128,
-    initial_samples=128,
-    queue_size=4,
-    tempered_logprobs=False,
-    eos_in_logprob=True,
-    max_grad_norm=1.0,
     eval_every=0,
+    eval_batch_size=64,
     checkpoint_every=10_000,  # none during a run: the run ends with one
-    seed=0,
     output_dir="runs/redteam_tiny",
-    timeout_s=300.0,
 )
 
 

@@ -49,7 +49,6 @@ from transformers import AutoTokenizer
 
 from rewards import RewardModelReward
 from run_gsm8k import (
-    CPU_VALUES,
     TINY_MODEL,
     Evaluator,
     build_char_tokenizer,
@@ -59,6 +58,7 @@ from run_gsm8k import (
     print_summary,
     run_summary,
 )
+from run_gsm8k import TINY_PRESET as GSM8K_TINY_PRESET
 from tba import (
     TBAConfig,
     config_argparser,
@@ -258,40 +258,17 @@ TINY_SFT = dict(max_steps=1200, lr=3e-3, batch=32, check_every=100, target_valid
 # old) with a higher lr (5e-4: 2e-4 moved the greedy summaries too little in 250 steps) and the
 # beta of the three tried (0.03, 0.1, 0.3) that raised the win rate (README, "TL;DR tiny").
 TINY_PRESET: dict = dict(
-    CPU_VALUES,
-    model="",
-    num_generations=8,
-    responses_per_prompt=8,
-    prompts_per_step=16,
-    searcher_batch_prompts=16,
-    temperature=0.7,
+    GSM8K_TINY_PRESET,
     max_new_tokens=32,
     lr=5e-4,
-    warmup_steps=5,
-    stable_steps=10_000,
-    decay_steps=0,
     total_steps=250,
     beta_start=0.03,
     beta_end=0.03,
-    beta_anneal_steps=0,
-    mop_prob=0.95,
-    sync_every=1,
-    max_lag=1,
-    max_train_lag=1,
-    buffer_capacity=32,
-    initial_samples=128,
-    queue_size=4,
-    seed=0,
     output_dir="runs/tldr_tiny",
-    tempered_logprobs=False,
-    eos_in_logprob=True,
-    max_grad_norm=1.0,
     eval_every=25,
     eval_subset=100,
     eval_samples=0,
-    eval_batch_size=100,
     checkpoint_every=125,
-    timeout_s=300.0,
 )
 
 
