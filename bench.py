@@ -1,7 +1,7 @@
 """Benchmarks of the TBA system: times and ratios measured in one run, on this machine.
 
     python bench.py --out bench.json                         # 3 seeds per mode
-    python bench.py --seeds 5 --budget 180 --out bench.json  # the README's figures
+    python bench.py --seeds 5 --budget 180 --out bench.json  # the figures of docs/tiny.md
     python bench.py --quick --out q.json                     # a smoke test, the same keys
 
 (How long each takes on which machine: OPERATIONS.md.)
@@ -29,11 +29,6 @@ intake             the trainer's intake of trajectories: ReplayBuffer.add per se
 tldr_staleness     TL;DR tiny (run_tldr's tiny preset) trained on data d versions stale in one
                    process (the staleness section's controlled lag): the gold win rate of greedy
                    summaries against the references, per loss and lag (--lags 0,15).
-bridge             searcher nodes over loopback (only when named in --sections): a published
-                   version of a 110M-parameter Llama reaching a node (bytes/s) against a raw
-                   gloo send of the same bytes, and trajectories/s reaching the trainer's queue
-                   across the bridge against through the in-node queue; with the parallel
-                   speedup measured beside them.
 machine            versions, cores, and how much two processes gain over one right now (2.0 on
                    two idle cores): asynchrony overlaps two processes, so it needs that gain.
 """
@@ -49,7 +44,6 @@ import json
 import os
 import platform
 import random
-import secrets
 import socket
 import statistics
 import sys
@@ -61,37 +55,28 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import data_parallel
+import grpo
 import run_tldr
 from buffer import Trajectory
+from evaluate import Evaluator, to_examples
 from rewards import gsm8k_reward
-from run_gsm8k import (
+from searcher import HFEngine, Searcher, SearcherSetup, VLLMEngine
+from tba import TBAConfig, WeightStore, pad_token_id
+from tiny import (
     TINY_PRESET,
-    Evaluator,
     cpu_config,
     save_tiny_model,
     synthetic_problems,
+    tiny_configs,
     tiny_task,
     tiny_warm_start,
-    to_examples,
 )
-from searcher import (
-    SECRET_ENV,
-    Batch,
-    BatchStats,
-    HFEngine,
-    Join,
-    Searcher,
-    SearcherSetup,
-    VLLMEngine,
-    read_secret,
-    set_peer_timeouts,
-)
-from tba import TBAConfig, WeightStore, pad_token_id
-from trainer import DataParallel, NodeBridge, NodeGateway, RunEnded, Trainer, connect, run_tba
+from trainer import Parts, Trainer, run_tba
 
 THRESHOLDS = (0.85, 0.90, 0.95)
 WINDOW_S = 30  # accuracy averaged over windows of this many seconds
-TARGET = 0.90  # the accuracy whose time the goals compare (README, "Time to accuracy")
+TARGET = 0.90  # the accuracy whose time the goals compare (docs/tiny.md, "Time to accuracy")
 LLAMA_110M = dict(
     hidden_size=768,
     intermediate_size=2048,
@@ -175,18 +160,15 @@ def timed_run(
     second, then their greedy accuracy on the held-out sums."""
     train, test, _ = tiny_task()
     with tempfile.TemporaryDirectory(prefix="tba_bench_") as out:
-        cfg = TBAConfig(
-            **{
-                **TINY_PRESET,
-                "model": model_dir,
-                "seed": seed,
-                "synchronous": synchronous,
-                "output_dir": out,
-                "eval_every": 0,
-                "total_steps": 10**6,
-                "checkpoint_every": 10**6,
-                **overrides,
-            }
+        cfg, eval_cfg = tiny_configs(
+            model_dir,
+            seed=seed,
+            synchronous=synchronous,
+            output_dir=out,
+            eval_every=0,
+            total_steps=10**6,
+            checkpoint_every=10**6,
+            **overrides,
         )
         snapshots, rows = [], []
 
@@ -209,7 +191,7 @@ def timed_run(
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(cfg.trainer_device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    evaluator = Evaluator(cfg, tokenizer)
+    evaluator = Evaluator(cfg, eval_cfg, tokenizer)
     curve = []
     for wall, step, state in snapshots:
         model.load_state_dict(state)
@@ -332,12 +314,13 @@ def staleness_run(
         preset = TINY_PRESET
         reward_fn = gsm8k_reward
     with tempfile.TemporaryDirectory(prefix="tba_stale_") as out:
-        values = {**preset, "model": model_dir, "seed": seed, "output_dir": out, "loss": loss}
-        values.update(overrides)
-        cfg = TBAConfig(**values)
+        cfg, eval_cfg = tiny_configs(model_dir, preset, seed=seed, output_dir=out, **overrides)
+        parts = grpo.install(Parts(), grpo.GRPOConfig(loss=loss))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         torch.manual_seed(seed)
-        trainer = Trainer(cfg, torch.device("cpu"), pad_token_id(tokenizer), tokenizer.eos_token_id)
+        trainer = parts.trainer(
+            cfg, torch.device("cpu"), pad_token_id(tokenizer), tokenizer.eos_token_id
+        )
         setup = SearcherSetup(
             rank=0,
             cfg=cfg,
@@ -346,18 +329,20 @@ def staleness_run(
             store=None,
             out_queue=None,
             stop_event=None,
-            probe=None,
+            token_logprobs=parts.token_logprobs,
         )
         searcher = Searcher(setup)
         if task == "tldr":
             sft = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-            evaluator = run_tldr.SummaryEvaluator(cfg, tokenizer, run_tldr.tiny_gold(), sft)
+            evaluator = run_tldr.SummaryEvaluator(
+                cfg, eval_cfg, tokenizer, run_tldr.tiny_gold(), sft
+            )
 
             def score(model):
                 return evaluator.evaluate(model, test)["win_rate"]
 
         else:
-            evaluator = Evaluator(cfg, tokenizer)
+            evaluator = Evaluator(cfg, eval_cfg, tokenizer)
 
             def score(model):
                 return evaluator.accuracy(model, test)
@@ -537,7 +522,6 @@ def bench_engines(root: str, quick: bool) -> dict | str:
         num_generations=8,
         responses_per_prompt=8,
         searcher_batch_prompts=8,
-        eval_batch_size=64,
     )
     prompts = [tok(ex["prompt"])["input_ids"] for ex in to_examples(synthetic_problems(8, seed=4))]
     named = list(model.named_parameters())
@@ -687,21 +671,25 @@ def _dp_rank(rank: int, world: int, port: int, model_dir: str, steps: int, out_q
         prompts_per_step=DP_BATCH["prompts"],
         micro_batch_size=0,
     )
-    dp = DataParallel.from_env("cpu", timeout_s=300)
-    trainer = Trainer(cfg, torch.device("cpu"), pad_id=0, eos_id=1, dp=dp)
+    if world == 1:
+        trainer = Trainer(cfg, torch.device("cpu"), pad_id=0, eos_id=1)
+    else:
+        ranks = data_parallel.Ranks.from_env("cpu", timeout_s=300)
+        parts = data_parallel.install(Parts(), data_parallel.DataParallelConfig(), ranks)
+        if rank > 0:  # updates as rank 0 hands them out (data_parallel.follow)
+            data_parallel.follow(ranks, lambda _: parts.trainer)
+            ranks.close()
+            return
+        trainer = parts.trainer(cfg, torch.device("cpu"), pad_id=0, eos_id=1)
     t0 = time.perf_counter()
     for step in range(steps + 1):
         if step == 1:
             t0 = time.perf_counter()
-        if dp is not None and rank == 0:
-            dp.send(groups)
-        elif dp is not None:
-            groups = dp.receive()
         trainer.update(groups)
-    if rank == 0:
-        out_q.put(steps / (time.perf_counter() - t0))
-    if dp is not None:
-        dp.close()
+    out_q.put(steps / (time.perf_counter() - t0))
+    if world > 1:
+        data_parallel.finish(ranks, trainer)
+        ranks.close()
 
 
 def dp_steps_per_s(model_dir: str, world: int, steps: int) -> float:
@@ -784,7 +772,6 @@ def bench_intake(
     import gc
     import io
     import pickle
-    import random
     import tracemalloc
 
     module = _load_buffer_module(path)
@@ -871,186 +858,6 @@ def bench_intake(
     out["load_state_dict_s"] = time.perf_counter() - t0
     assert len(copy) == len(buf)
     return out
-
-
-# ----------------------------------------------------------------------------- searcher nodes
-
-BRIDGE_BATCH = (72, 100, 128)  # trajectories per batch (3 prompts x 24), prompt and response tokens
-
-
-def _fake_batch(rank: int = 0) -> Batch:
-    """A searcher's batch of the paper's shape, random tokens."""
-    count, prompt_len, response_len = BRIDGE_BATCH
-    rng = random.Random(rank)
-    trajectories = [
-        Trajectory(
-            prompt_id=i // 24,
-            prompt_tokens=[rng.randrange(32000) for _ in range(prompt_len)],
-            response_tokens=[rng.randrange(32000) for _ in range(response_len)],
-            reward=rng.random(),
-            ref_logprob=-rng.random() * 100,
-            version=0,
-        )
-        for i in range(count)
-    ]
-    return Batch(rank, trajectories, BatchStats(1.0, 0.0, 0.0, 0.0, 0, 1.0, 0.0, None))
-
-
-def _bare_node(address: str, batches: int, send_batches, res_q) -> None:
-    """A node without searchers, in its own process: installs each version it is sent and
-    reports when; once ``send_batches`` is set, sends ``batches`` batches as fast as credit
-    allows."""
-    torch.set_num_threads(1)
-    conn = connect(address, read_secret(""), timeout_s=60)
-    set_peer_timeouts(conn)
-    conn.send(Join("bench"))
-    welcome = conn.recv()
-    meta = [(name, torch.empty(shape, device="meta")) for name, shape in welcome.layout]
-    store = WeightStore(meta, welcome.dtype, torch.device("cpu"))
-    bridge = NodeBridge(conn, store, welcome.credit)
-    res_q.put("ready")
-    batch, sent = _fake_batch(), 0
-    with contextlib.suppress(RunEnded):
-        while True:
-            while send_batches.is_set() and bridge.credit and sent < batches:
-                bridge.send(batch)
-                bridge.credit -= 1
-                sent += 1
-            version = store.version()
-            bridge.poll(0.001)
-            if store.version() != version:
-                res_q.put((store.version(), time.monotonic()))
-
-
-def _gloo_peer(rank: int, port: int, nbytes: int, reps: int, res_q) -> None:
-    """One of two gloo processes over 127.0.0.1: rank 0 sends ``nbytes``, rank 1 receives and
-    reports the seconds each receive took."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    payload = torch.full((nbytes,), rank, dtype=torch.uint8)
-    for _ in range(reps + 1):  # the first warms up
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(payload, dst=1)
-        else:
-            dist.recv(payload, src=0)
-            res_q.put(time.perf_counter() - t0)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _queue_producer(out_queue, batches: int) -> None:
-    """A searcher stand-in: puts ``batches`` batches on the in-node queue as fast as it can."""
-    batch = _fake_batch()
-    for _ in range(batches):
-        out_queue.put(batch, timeout=120)
-
-
-def _drain_rate(out_queue, batches: int) -> float:
-    """Trajectories per second arriving on ``out_queue``, from the first batch to the last."""
-    out_queue.get(timeout=300)
-    t0 = time.perf_counter()
-    for _ in range(batches - 1):
-        out_queue.get(timeout=120)
-    return (batches - 1) * BRIDGE_BATCH[0] / (time.perf_counter() - t0)
-
-
-def _version_seconds(store: WeightStore, named: list, reps: int, res_q) -> list[float]:
-    """Seconds from each publish on the trainer to the version installed on the node."""
-    seconds = []
-    for rep in range(reps + 1):  # rep 0 warms up
-        t0 = time.monotonic()
-        store.publish(named, version=rep)
-        version, arrived = res_q.get(timeout=300)
-        assert version == rep, f"node installed version {version}, published {rep}"
-        if rep:
-            seconds.append(arrived - t0)
-    return seconds
-
-
-def _gloo_seconds(nbytes: int, reps: int, res_q) -> list[float]:
-    """Seconds of a raw gloo send of ``nbytes``: this process sends, a child receives."""
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    peer = ctx.Process(target=_gloo_peer, args=(1, port, nbytes, reps, res_q))
-    peer.start()
-    try:
-        _gloo_peer(0, port, nbytes, reps, res_q)
-        return [res_q.get(timeout=300) for _ in range(reps + 1)][1:]
-    finally:
-        peer.join(timeout=60)
-
-
-def bench_bridge(reps: int, model_kwargs: dict, batches: int) -> dict:
-    """Searcher nodes over loopback, one gateway and one node for both figures: a published
-    version reaching the node (the trainer's publish, the gateway's copy, the transfer, the
-    node's install) against a raw gloo send of the same bytes; and trajectories/s reaching the
-    trainer's queue across the bridge against through one in-node queue."""
-    torch.set_num_threads(1)
-    model = _llama(model_kwargs, "cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)  # touch every page
-    named = list(model.named_parameters())
-    store = WeightStore(named, torch.float32, torch.device("cpu"))
-    nbytes = store.flat.numel() * store.flat.element_size()
-    ctx = mp.get_context("spawn")
-    res_q, trainer_queue, send_batches = ctx.Queue(), ctx.Queue(maxsize=8), ctx.Event()
-    address = f"127.0.0.1:{_free_port()}"
-    gateway = NodeGateway(
-        TBAConfig(listen=address, timeout_s=120.0), [{"id": 0}], None, store, trainer_queue, None
-    )
-    gateway.start()
-    node = ctx.Process(target=_bare_node, args=(address, batches, send_batches, res_q))
-    node.start()
-    try:
-        assert res_q.get(timeout=300) == "ready"
-        seconds = _version_seconds(store, named, reps, res_q)
-        send_batches.set()
-        bridged = _drain_rate(trainer_queue, batches)
-    finally:
-        gateway.stop()
-        node.join(timeout=30)
-        if node.is_alive():
-            node.kill()
-    in_node_queue = ctx.Queue(maxsize=8)
-    producer = ctx.Process(target=_queue_producer, args=(in_node_queue, batches))
-    producer.start()
-    in_node = _drain_rate(in_node_queue, batches)
-    producer.join(timeout=60)
-    bridge_s = statistics.median(seconds)
-    gloo_s = statistics.median(_gloo_seconds(nbytes, reps, res_q))
-    return {
-        "version": {
-            "params_M": store.flat.numel() / 1e6,
-            "bytes": nbytes,
-            "bridge_s": bridge_s,
-            "bridge_s_all": seconds,
-            "bridge_bytes_per_s": nbytes / bridge_s,
-            "gloo_send_s": gloo_s,
-            "gloo_bytes_per_s": nbytes / gloo_s,
-            "bridge_over_gloo_time": bridge_s / gloo_s,
-        },
-        "trajectories": {
-            "trajectories_per_batch": BRIDGE_BATCH[0],
-            "prompt_tokens": BRIDGE_BATCH[1],
-            "response_tokens": BRIDGE_BATCH[2],
-            "in_node_queue_per_s": in_node,
-            "bridge_per_s": bridged,
-            "bridge_over_in_node": bridged / in_node,
-        },
-    }
 
 
 # ----------------------------------------------------------------------------- report
@@ -1260,16 +1067,6 @@ def main() -> None:
             log("engines")
             res["engines"] = bench_engines(root, args.quick)
             print(f"engines: {json.dumps(res['engines'])}")
-        if "bridge" in sections:
-            log("bridge")
-            os.environ.setdefault(SECRET_ENV, secrets.token_hex(16))  # the nodes' shared secret
-            res["bridge"] = bench_bridge(
-                2 if args.quick else 5,
-                dict(LLAMA_110M, num_hidden_layers=2) if args.quick else LLAMA_110M,
-                batches=20 if args.quick else 300,
-            )
-            res["bridge"]["parallel_speedup"] = parallel_speedup(1.0 if args.quick else 3.0)
-            print(f"bridge: {json.dumps(res['bridge'])}")
         if "publish" in sections:
             log("publish")
             res["publish"] = bench_publish(

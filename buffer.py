@@ -5,14 +5,15 @@ This file imports nothing from the project (standard library only), so it can be
 * Items are grouped by prompt; each group keeps at most ``capacity`` trajectories, oldest evicted.
 * Exact-token deduplication: a response already in the group is replaced by the new copy (the
   newest reward, log-probs and version win), as in the official TBA buffer.
-* Compact storage (``StoredTrajectory``): token ids packed as int32 bytes, per-token log-probs as
-  float64 bytes (exact), one prompt-token record per prompt: a 128-token response holds 0.7 KB,
-  not 5 KB of Python int lists (``bench.py --sections intake``), and bytes objects are not
-  traversed by the garbage collector. Deduplication looks the packed response up in a dict per
+* Compact storage (``StoredTrajectory``): token ids packed as int32 bytes, per-token log-probs
+  (when an extension records them) as float64 bytes (exact), one prompt-token record per
+  prompt: a 128-token response holds 0.7 KB, not 5 KB of Python int lists (``bench.py
+  --sections intake``), and bytes objects are not traversed by the garbage collector.
+  Deduplication looks the packed response up in a dict per
   prompt (no pass over the group, no tuple per stored item) and an insert appends or bisects by
   version, so an ``add`` costs about the same with 20 or 100 items per prompt. ``sample``
   returns ordinary ``Trajectory`` records with lists; the layout changes no draw (a test pins
-  the draws against the list layout).
+  the draws against a list layout).
 * Thread-safe: every public method holds the buffer's lock, so a thread can drain the searchers'
   queue into the buffer while the trainer samples (``trainer.Intake``).
 * ``sample(P, K)`` returns P groups of exactly K trajectories. For each group, with probability
@@ -31,9 +32,8 @@ This file imports nothing from the project (standard library only), so it can be
   official code does), so a step never trains twice on one prompt.
 * Groups with fewer than K eligible items are sampled with replacement (official behaviour).
 * ``sample(P, K, min_version=v)`` bounds the age of everything drawn: only items of version v
-  or newer, MOP and off-policy draws alike (``TBAConfig.max_train_lag``).
-* ``sample(P, K, version=v)`` is the synchronous baseline's: P prompts with items of version v,
-  K of those items each.
+  or newer, MOP and off-policy draws alike (``TBAConfig.max_train_lag``; the synchronous
+  baseline draws with v = the trainer's own version).
 """
 
 from __future__ import annotations
@@ -61,10 +61,9 @@ class Trajectory:
     reward: float  # r(x, y)
     ref_logprob: float  # log p_ref(y|x), summed over response tokens
     version: int  # policy version (trainer steps) of the weights that generated it
-    # Per scored response token (tba.scored_tokens: the loss's temperature and EOS rule); only
-    # for --loss grpo, None otherwise (TB needs neither; older checkpoints have neither).
-    logprobs: list[float] | None = None  # log pi_old, the behaviour policy, as it sampled
-    ref_token_logprobs: list[float] | None = None  # log p_ref, for GRPO's KL penalty
+    # Per scored response token (tba.scored_tokens: the loss's temperature and EOS rule), by
+    # name, for a loss that weighs tokens (grpo.py: "behaviour" and "reference"); None for TB.
+    token_logprobs: dict[str, list[float]] | None = None
 
 
 TOKEN_TYPE = "i"  # array typecode of stored token ids: int32 (every vocabulary is < 2**31)
@@ -90,8 +89,7 @@ class StoredTrajectory:
     list; ``trajectory()`` rebuilds the record the searcher sent."""
 
     __slots__ = (
-        "packed_logprobs",
-        "packed_ref_token_logprobs",
+        "packed_token_logprobs",
         "prompt",
         "prompt_id",
         "ref_logprob",
@@ -108,8 +106,7 @@ class StoredTrajectory:
         reward: float,
         ref_logprob: float,
         version: int,
-        packed_logprobs: bytes | None = None,
-        packed_ref_token_logprobs: bytes | None = None,
+        packed_token_logprobs: dict[str, bytes] | None = None,
     ):
         self.prompt_id = prompt_id
         self.prompt = prompt  # packed prompt token ids
@@ -117,12 +114,14 @@ class StoredTrajectory:
         self.reward = reward
         self.ref_logprob = ref_logprob
         self.version = version
-        self.packed_logprobs = packed_logprobs
-        self.packed_ref_token_logprobs = packed_ref_token_logprobs
+        self.packed_token_logprobs = packed_token_logprobs
 
     @classmethod
     def from_trajectory(cls, traj: Trajectory, prompt: bytes) -> StoredTrajectory:
         """``traj`` packed, with ``prompt`` (the packed prompt tokens of its group) as prompt."""
+        token_logprobs = None
+        if traj.token_logprobs is not None:
+            token_logprobs = {k: pack(v, FLOAT_TYPE) for k, v in traj.token_logprobs.items()}
         return cls(
             traj.prompt_id,
             prompt,
@@ -130,8 +129,7 @@ class StoredTrajectory:
             traj.reward,
             traj.ref_logprob,
             traj.version,
-            None if traj.logprobs is None else pack(traj.logprobs, FLOAT_TYPE),
-            None if traj.ref_token_logprobs is None else pack(traj.ref_token_logprobs, FLOAT_TYPE),
+            token_logprobs,
         )
 
     @property
@@ -143,13 +141,10 @@ class StoredTrajectory:
         return unpack(self.response, TOKEN_TYPE)
 
     @property
-    def logprobs(self) -> list[float] | None:
-        return None if self.packed_logprobs is None else unpack(self.packed_logprobs, FLOAT_TYPE)
-
-    @property
-    def ref_token_logprobs(self) -> list[float] | None:
-        packed = self.packed_ref_token_logprobs
-        return None if packed is None else unpack(packed, FLOAT_TYPE)
+    def token_logprobs(self) -> dict[str, list[float]] | None:
+        if self.packed_token_logprobs is None:
+            return None
+        return {k: unpack(v, FLOAT_TYPE) for k, v in self.packed_token_logprobs.items()}
 
     def trajectory(self) -> Trajectory:
         return Trajectory(
@@ -159,8 +154,7 @@ class StoredTrajectory:
             self.reward,
             self.ref_logprob,
             self.version,
-            self.logprobs,
-            self.ref_token_logprobs,
+            self.token_logprobs,
         )
 
 
@@ -328,7 +322,6 @@ class ReplayBuffer:
         self,
         num_prompts: int,
         per_prompt: int,
-        version: int | None = None,
         min_version: int | None = None,
     ) -> tuple[list[list[Trajectory]], list[bool]]:
         """P groups of exactly K trajectories, and for each group whether it is most-on-policy.
@@ -336,13 +329,9 @@ class ReplayBuffer:
         ``min_version``: a bound on age. Only items of that version or newer are eligible, MOP
         and off-policy draws alike, and only prompts holding such items; so no trajectory in the
         batch is older than ``min_version``.
-        ``version`` (the synchronous baseline): P prompts holding items of exactly that version
-        and K of those items each, all on-policy.
 
         Raises ValueError when fewer than ``num_prompts`` prompts are eligible.
         """
-        if version is not None:
-            return self._sample_version(num_prompts, per_prompt, version)
         everyone = [pid for pid in self.groups if self._holds_version(pid, min_version)]
         if len(everyone) < num_prompts:
             since = "" if min_version is None else f" with items of version {min_version} or newer"
@@ -371,30 +360,9 @@ class ReplayBuffer:
             chosen.add(pid)
         return batch, is_mop
 
-    def _sample_version(
-        self, num_prompts: int, per_prompt: int, version: int
-    ) -> tuple[list[list[Trajectory]], list[bool]]:
-        """The synchronous baseline's sample: see ``sample``."""
-        holders = [pid for pid, g in self.groups.items() if any(t.version == version for t in g)]
-        if len(holders) < num_prompts:
-            raise ValueError(
-                f"ReplayBuffer.sample: {num_prompts} prompts asked, {len(holders)} in the "
-                f"buffer with items of version {version}"
-            )
-        batch = []
-        for pid in self.rng.sample(holders, num_prompts):
-            items = [t for t in self.groups[pid] if t.version == version]
-            batch.append(self._unpacked(self._draw_items(items, per_prompt, 0.0)))
-        return batch, [True] * num_prompts
-
     def _unpacked(self, items: list[StoredTrajectory]) -> list[Trajectory]:
         """The drawn items as the records the searchers sent (a new record per draw)."""
         return [t.trajectory() for t in items]
-
-    @_locked
-    def count_version(self, version: int) -> int:
-        """Prompts holding at least one item of ``version``."""
-        return sum(any(t.version == version for t in g) for g in self.groups.values())
 
     # ------------------------------------------------------------------ stats and state
 
@@ -431,7 +399,7 @@ class ReplayBuffer:
             "rng": _rng_state_to_list(self.rng.getstate()),
             "num_added": self.num_added,
             "newest_version": self.newest_version,
-            "groups": [[pid, [_columns(g)]] for pid, g in self.groups.items()],
+            "groups": [[pid, _columns(g)] for pid, g in self.groups.items()],
             "fresh": [pid for pid in self.groups if pid in self._fresh],
             "mop_drawn": [pid for pid in self.groups if pid in self._mop_drawn],
             "mop_since_sync": [pid for pid in self.groups if pid in self._mop_since_sync],
@@ -440,14 +408,13 @@ class ReplayBuffer:
 
     @_locked
     def load_state_dict(self, state: dict) -> None:
-        """A state of ``state_dict``, or of the format before packing (Python lists per item)."""
-        packed = state.get("format", 1) == 2
-        if state.get("format", 1) not in (1, 2):
+        """A state of ``state_dict``."""
+        if state.get("format") != STATE_FORMAT:
             raise ValueError(
-                f"ReplayBuffer.load_state_dict: state format {state['format']}, this code reads "
-                "formats 1 and 2"
+                f"ReplayBuffer.load_state_dict: state format {state.get('format')}, this code "
+                f"reads format {STATE_FORMAT}"
             )
-        if packed and state["packing"] != _packing():
+        if state["packing"] != _packing():
             raise ValueError(
                 f"ReplayBuffer.load_state_dict: the state was packed as {state['packing']}, "
                 f"this machine packs {_packing()}"
@@ -456,31 +423,21 @@ class ReplayBuffer:
         self.inv_temp = state["inv_temp"]
         self.rng.setstate(_rng_state_from_list(state["rng"]))
         self.num_added, self.newest_version = state["num_added"], state["newest_version"]
-        self.groups = {}
-        for pid, records in state["groups"]:
-            pid = _key(pid)
-            group = []
-            for record in records:  # format 2: records of columns; format 1: one per item
-                # The group's first prompt is every item's, as ``add`` shares it.
-                prompt = group[0].prompt if group else None
-                if packed:
-                    group += _from_columns(pid, record, prompt)
-                else:
-                    group.append(_from_fields(pid, record, prompt))
-            self.groups[pid] = group
+        self.groups = {
+            _key(pid): _from_columns(_key(pid), columns) for pid, columns in state["groups"]
+        }
         self._responses = {pid: {t.response: t for t in g} for pid, g in self.groups.items()}
         self._per_version = Counter(t.version for g in self.groups.values() for t in g)
         self._fresh = {_key(p) for p in state["fresh"]}
         self._mop_drawn = {_key(p) for p in state["mop_drawn"]}
-        self._mop_since_sync = {_key(p) for p in state.get("mop_since_sync", [])}
+        self._mop_since_sync = {_key(p) for p in state["mop_since_sync"]}
         self._any_drawn = {_key(p) for p in state["any_drawn"]}
 
 
-# 1: a group's items as dicts of the fields of Trajectory, with lists (no "format" key);
-# 2: a group's items as one record of columns, packed (``_columns``), so that the unpickler of
+# A group's items as one record of columns, packed (``_columns``), so that the unpickler of
 # torch.load(weights_only=True), written in Python, handles a few objects per prompt rather than
 # a few hundred per trajectory.
-STATE_FORMAT = 2
+STATE_FORMAT = 3
 _COUNT_TYPE = "q"  # of versions and byte lengths in a state
 
 
@@ -492,14 +449,14 @@ def _text(packed: bytes | None) -> str | None:
     return None if packed is None else packed.decode("latin-1")
 
 
-def _packed(text: str | bytes | None) -> bytes | None:
-    """``_text`` undone; bytes (states written before ``_text``) pass through."""
-    return text.encode("latin-1") if isinstance(text, str) else text
+def _bytes(text: str | None) -> bytes | None:
+    """``_text`` undone."""
+    return None if text is None else text.encode("latin-1")
 
 
 def _columns(group: list[StoredTrajectory]) -> dict:
-    """A group's items as one record of columns (state format 2); field names as in Trajectory,
-    GRPO's per-token log-probs one packed item (or None) each; packed bytes as ``_text``."""
+    """A group's items as one record of columns; field names as in Trajectory, the per-token
+    log-probs one mapping (or None) per item; packed bytes as ``_text``."""
     return {
         "prompt_tokens": _text(group[0].prompt),
         "response_tokens": _text(b"".join(t.response for t in group)),
@@ -507,28 +464,29 @@ def _columns(group: list[StoredTrajectory]) -> dict:
         "reward": _text(pack([t.reward for t in group], FLOAT_TYPE)),
         "ref_logprob": _text(pack([t.ref_logprob for t in group], FLOAT_TYPE)),
         "version": _text(pack([t.version for t in group], _COUNT_TYPE)),
-        "logprobs": [_text(t.packed_logprobs) for t in group],
-        "ref_token_logprobs": [_text(t.packed_ref_token_logprobs) for t in group],
+        "token_logprobs": [
+            None
+            if t.packed_token_logprobs is None
+            else {k: _text(v) for k, v in t.packed_token_logprobs.items()}
+            for t in group
+        ],
     }
 
 
-def _from_columns(
-    prompt_id: Hashable, columns: dict, prompt: bytes | None
-) -> list[StoredTrajectory]:
-    """The items of a record of ``_columns``; ``prompt``, when given, replaces its prompt. A
-    record without per-token log-probs gives None."""
-    sizes = unpack(_packed(columns["response_bytes"]), _COUNT_TYPE)
-    rewards = unpack(_packed(columns["reward"]), FLOAT_TYPE)
-    ref_logprobs = unpack(_packed(columns["ref_logprob"]), FLOAT_TYPE)
-    versions = unpack(_packed(columns["version"]), _COUNT_TYPE)
-    logprobs = [_packed(x) for x in columns.get("logprobs") or [None] * len(sizes)]
-    ref_token_logprobs = [
-        _packed(x) for x in columns.get("ref_token_logprobs") or [None] * len(sizes)
+def _from_columns(prompt_id: Hashable, columns: dict) -> list[StoredTrajectory]:
+    """The items of a record of ``_columns``, sharing one prompt record (as ``add`` does)."""
+    sizes = unpack(_bytes(columns["response_bytes"]), _COUNT_TYPE)
+    rewards = unpack(_bytes(columns["reward"]), FLOAT_TYPE)
+    ref_logprobs = unpack(_bytes(columns["ref_logprob"]), FLOAT_TYPE)
+    versions = unpack(_bytes(columns["version"]), _COUNT_TYPE)
+    token_logprobs = [
+        None if per_item is None else {k: _bytes(v) for k, v in per_item.items()}
+        for per_item in columns["token_logprobs"]
     ]
-    if not len(sizes) == len(rewards) == len(ref_logprobs) == len(versions) == len(logprobs):
+    if not len(sizes) == len(rewards) == len(ref_logprobs) == len(versions) == len(token_logprobs):
         raise ValueError(f"ReplayBuffer.load_state_dict: columns of unequal length, {prompt_id!r}")
-    prompt = _packed(columns["prompt_tokens"]) if prompt is None else prompt
-    responses = _packed(columns["response_tokens"])
+    prompt = _bytes(columns["prompt_tokens"])
+    responses = _bytes(columns["response_tokens"])
     items = []
     start = 0
     for i, size in enumerate(sizes):
@@ -540,31 +498,13 @@ def _from_columns(
                 rewards[i],
                 ref_logprobs[i],
                 versions[i],
-                logprobs[i],
-                ref_token_logprobs[i],
+                token_logprobs[i],
             )
         )
         start += size
     if start != len(responses):
         raise ValueError(f"ReplayBuffer.load_state_dict: response bytes of {prompt_id!r} corrupt")
     return items
-
-
-def _from_fields(prompt_id: Hashable, fields: dict, prompt: bytes | None) -> StoredTrajectory:
-    """An item of a format-1 state (``vars(Trajectory)``; states saved before GRPO lack the
-    per-token log-probs); ``prompt``, when given, replaces its prompt."""
-    logprobs = fields.get("logprobs")
-    ref_token_logprobs = fields.get("ref_token_logprobs")
-    return StoredTrajectory(
-        prompt_id,
-        pack(fields["prompt_tokens"], TOKEN_TYPE) if prompt is None else prompt,
-        pack(fields["response_tokens"], TOKEN_TYPE),
-        fields["reward"],
-        fields["ref_logprob"],
-        fields["version"],
-        None if logprobs is None else pack(logprobs, FLOAT_TYPE),
-        None if ref_token_logprobs is None else pack(ref_token_logprobs, FLOAT_TYPE),
-    )
 
 
 def _packing() -> list:

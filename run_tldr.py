@@ -41,33 +41,20 @@ import math
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from rewards import RewardModelReward
-from run_gsm8k import (
-    TINY_MODEL,
-    Evaluator,
-    build_char_tokenizer,
-    build_tiny_model,
-    cpu_config,
-    gpu_placement,
-    print_summary,
-    run_summary,
-)
-from run_gsm8k import TINY_PRESET as GSM8K_TINY_PRESET
-from tba import (
-    TBAConfig,
-    config_argparser,
-    config_from_args,
-    load_causal_lm,
-    pad_sequences,
-    sequence_logprobs,
-)
-from trainer import run_tba
+import launch
+from checks import print_summary, run_summary
+from evaluate import EvalConfig, Evaluator
+from rewards import LazyModels
+from tba import TBAConfig, knob, load_causal_lm, need, pad_sequences, sequence_logprobs
+from tiny import TINY_MODEL, build_char_tokenizer, build_tiny_model, cpu_config
+from tiny import TINY_PRESET as GSM8K_TINY_PRESET
 
 REPO = Path(__file__).resolve().parent
 
@@ -87,6 +74,21 @@ GOLD_TOKENIZER = "EleutherAI/pythia-6.9b-deduped"
 # Prompts per searcher generate call: launch_training_tldr.sh's local_rollout_forward_batch_size
 # (sequences) over N = 20, at least one (tba_trainer_tldr.py: ceil(batch / N)).
 SEARCHER_PROMPTS = {"410m": 2, "1b": 1, "2.8b": 1}
+
+
+@dataclass
+class TLDRConfig:
+    """The TL;DR job's data and models (run_tldr.py)."""
+
+    data_dir: str = knob("data/tldr", "paper: train.jsonl and validation.jsonl (module docstring)")
+    size: str = knob(DEFAULT_SIZE, f"paper: the Pythia size, one of {', '.join(SIZES)}")
+    reward_model: str = knob("", "paper: the training reward model (empty: the one of --size)")
+    gold_model: str = knob(GOLD_MODEL, "paper: the judge of win rates")
+    gold_tokenizer: str = knob(GOLD_TOKENIZER, "paper: the judge's tokenizer")
+
+    def __post_init__(self) -> None:
+        need(self.size in SIZES, f"--size {self.size!r} is not one of {', '.join(SIZES)}")
+
 
 # Row by row from bbartoldson/TBA: launch_training_tldr.sh (L), configs/tba_pythia2.8b_tldr.yml
 # (Y), the defaults of TBAConfigTLDR in src/tba_trainer_tldr.py (C) and of TRL's RLOOConfig and
@@ -141,8 +143,6 @@ PAPER_PRESET: dict = dict(
 def paper_models(size: str) -> dict:
     """Policy, reference and reward model of one Pythia size (launch_training_tldr.sh); the
     2.8b model trains with gradient checkpointing, as the released trainer switches it on."""
-    if size not in SIZES:
-        raise ValueError(f"--size {size!r} is not one of {SIZES}")
     sft = f"mnoukhov/pythia{size}-sft-tldr"
     return dict(
         model=sft,
@@ -256,7 +256,7 @@ TINY_SFT = dict(max_steps=1200, lr=3e-3, batch=32, check_every=100, target_valid
 
 # The GSM8K tiny preset's system (one searcher, publish every step, data at most one version
 # old) with a higher lr (5e-4: 2e-4 moved the greedy summaries too little in 250 steps) and the
-# beta of the three tried (0.03, 0.1, 0.3) that raised the win rate (README, "TL;DR tiny").
+# beta of the three tried (0.03, 0.1, 0.3) that raised the win rate (docs/tldr.md, "TL;DR tiny").
 TINY_PRESET: dict = dict(
     GSM8K_TINY_PRESET,
     max_new_tokens=32,
@@ -488,6 +488,78 @@ def win_rate(policy_scores: list[float], reference_scores: list[float]) -> float
     return wins / len(policy_scores)
 
 
+class RewardModelReward(LazyModels):
+    """Reward from a transformers sequence classifier scoring prompt + completion.
+
+    The paper's TL;DR task scores summaries with a reward model. The model loads in the process
+    that first calls it (``rewards.LazyModels``), so the object pickles cheaply into searchers.
+    ``example[prompt_key]`` is the prompt text; the score is logit ``label_index`` of the
+    classifier on prompt + completion + ``completion_suffix``.
+    The suffix restores what decoding stripped: TL;DR reward models were trained, and are
+    evaluated, on summaries that end in the EOS text (``<|endoftext|>``). ``tokenizer_path``
+    names the tokenizer when the model's repository has none (empty: ``model_path``); a
+    tokenizer without a pad token pads with EOS, as the released TL;DR evaluation does.
+    """
+
+    _models = ("_model", "_tokenizer")
+
+    def __init__(
+        self,
+        model_path: str,
+        device: str = "cpu",
+        prompt_key: str = "prompt",
+        label_index: int = 0,
+        max_length: int = 1024,
+        trust_remote_code: bool = False,
+        completion_suffix: str = "",
+        tokenizer_path: str = "",
+    ):
+        self.model_path = model_path
+        self.device = device
+        self.prompt_key = prompt_key
+        self.label_index = label_index
+        self.max_length = max_length
+        self.trust_remote_code = trust_remote_code
+        self.completion_suffix = completion_suffix
+        self.tokenizer_path = tokenizer_path
+        self._model = None
+        self._tokenizer = None
+
+    def load(self) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(
+            self.tokenizer_path or self.model_path, trust_remote_code=self.trust_remote_code
+        )
+        self._model = (
+            AutoModelForSequenceClassification.from_pretrained(
+                self.model_path, trust_remote_code=self.trust_remote_code
+            )
+            .to(self.device)
+            .eval()
+        )
+        if self._tokenizer.pad_token is None:
+            self._tokenizer.pad_token = self._tokenizer.eos_token
+            self._model.config.pad_token_id = self._tokenizer.eos_token_id
+
+    def __call__(self, completion: str, example: dict) -> float:
+        return self.batch([completion], [example])[0]
+
+    def batch(self, completions: list[str], examples: list[dict]) -> list[float]:
+        """Scores of many completions in one padded forward pass (the batched plug-in)."""
+        self.loaded()
+        texts = [
+            ex[self.prompt_key] + c + self.completion_suffix
+            for c, ex in zip(completions, examples, strict=True)
+        ]
+        batch = self._tokenizer(
+            texts, return_tensors="pt", padding=True, truncation=True, max_length=self.max_length
+        ).to(self.device)
+        with torch.no_grad():
+            logits = self._model(**batch).logits
+        return logits[:, self.label_index].float().tolist()
+
+
 class SummaryEvaluator(Evaluator):
     """Greedy summaries of the policy, judged against the references by ``judge`` (a reward
     plug-in with ``batch``: the gold reward model, or TL;DR tiny's gold scorer), and their
@@ -495,8 +567,15 @@ class SummaryEvaluator(Evaluator):
     included when generated, averaged over posts (eval_tldr/eval_ppl.py's measure). The
     references' scores are computed once."""
 
-    def __init__(self, cfg: TBAConfig, tokenizer, judge, reference_model: torch.nn.Module):
-        super().__init__(cfg, tokenizer)
+    def __init__(
+        self,
+        cfg: TBAConfig,
+        eval_cfg: EvalConfig,
+        tokenizer,
+        judge,
+        reference_model: torch.nn.Module,
+    ):
+        super().__init__(cfg, eval_cfg, tokenizer)
         self.judge = judge
         self.reference_model = reference_model
         self._reference_scores: dict[int, float] = {}
@@ -505,8 +584,8 @@ class SummaryEvaluator(Evaluator):
     def summaries(self, model: torch.nn.Module, examples: list[dict]) -> list[list[int]]:
         was_training = model.training
         model.eval()
-        engine = self._engine(model, examples)
-        size = len(examples) if self.vllm is not None else self.cfg.eval_batch_size
+        engine = self._engine(model)
+        size = len(examples) if self.vllm is not None else self.eval_cfg.eval_batch_size
         out = []
         try:
             for i in range(0, len(examples), size):
@@ -521,12 +600,10 @@ class SummaryEvaluator(Evaluator):
     def perplexity(self, examples: list[dict], responses: list[list[int]]) -> float:
         model = self.reference_model
         values = []
-        for i in range(0, len(examples), self.cfg.eval_batch_size):
-            prompts = [
-                self.tokenizer(ex["prompt"])["input_ids"]
-                for ex in examples[i : i + self.cfg.eval_batch_size]
-            ]
-            rows = [r or [self.eos_id] for r in responses[i : i + self.cfg.eval_batch_size]]
+        size = self.eval_cfg.eval_batch_size
+        for i in range(0, len(examples), size):
+            prompts = [self.tokenizer(ex["prompt"])["input_ids"] for ex in examples[i : i + size]]
+            rows = [r or [self.eos_id] for r in responses[i : i + size]]
             ids, attn, resp = pad_sequences(prompts, rows, self.pad_id, self.device)
             logp = sequence_logprobs(model, ids, attn, resp).float()
             values += torch.exp(-logp / resp[:, 1:].sum(1)).tolist()
@@ -581,8 +658,8 @@ def tiny_sft(out_dir: Path, train: list[dict], val: list[dict], seed: int) -> st
         )
         for ex in train
     ]
-    cfg = cpu_config("", max_new_tokens=TINY_PRESET["max_new_tokens"], eval_batch_size=100)
-    evaluator = Evaluator(cfg, tokenizer)
+    cfg = cpu_config("", max_new_tokens=TINY_PRESET["max_new_tokens"])
+    evaluator = Evaluator(cfg, EvalConfig(eval_batch_size=100), tokenizer)
     bar = tqdm(range(spec["max_steps"]), desc="SFT warm start", dynamic_ncols=True)
     for step in bar:
         idx = torch.randint(len(rows), (spec["batch"],), generator=gen).tolist()
@@ -596,7 +673,7 @@ def tiny_sft(out_dir: Path, train: list[dict], val: list[dict], seed: int) -> st
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if (step + 1) % spec["check_every"] == 0:
-            answers = evaluator._answers(model, val, 1, True, "SFT validation")
+            answers = evaluator.answers(model, val, 1, True, "SFT validation")
             valid = sum(
                 bool(a[0].split()) and all(w in ex["post_words"] for w in a[0].split())
                 for a, ex in zip(answers, val, strict=True)
@@ -653,74 +730,69 @@ def choose_preset(name: str) -> tuple[str, dict]:
         print(f"preset: {name} ({why}); choose the other with --preset {other}")
     if name == "tiny":
         return name, dict(TINY_PRESET)
-    return name, dict(PAPER_PRESET, **gpu_placement(gpus))
+    return name, dict(PAPER_PRESET, **launch.gpu_placement(gpus))
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = config_argparser(
-        "TBA on TL;DR summarisation. Every TBAConfig field is a flag; --preset sets the base."
+    parser = launch.argparser(
+        "TBA on TL;DR summarisation. Every config field is a flag; --preset sets the base.",
+        ["auto", "paper", "tiny"],
+        EvalConfig,
+        TLDRConfig,
     )
-    parser.add_argument(
-        "--preset",
-        choices=["auto", "paper", "tiny"],
-        default="auto",
-        help="base values that explicit flags override (auto: paper with CUDA, else tiny)",
-    )
-    parser.add_argument(
-        "--size", choices=SIZES, default=DEFAULT_SIZE, help="paper: the Pythia size"
-    )
-    parser.add_argument(
-        "--reward_model", default="", help="paper: the training reward model (default: by size)"
-    )
-    parser.add_argument("--gold_model", default=GOLD_MODEL, help="paper: the judge of win rates")
-    parser.add_argument("--gold_tokenizer", default=GOLD_TOKENIZER, help="paper: its tokenizer")
     args = parser.parse_args(argv)
     preset, base = choose_preset(args.preset)
     wall_start = time.time()
-    torch.set_num_threads(
-        args.torch_threads or base.get("torch_threads") or torch.get_num_threads()
-    )
+    configs = launch.parse(args, base, EvalConfig, TLDRConfig)
+    eval_cfg, tldr = configs.task
+    cfg = configs.tba
+    torch.set_num_threads(cfg.torch_threads or torch.get_num_threads())
+    ranks = launch.torchrun(configs)  # under torchrun, ranks > 0 train in here, then return
+    if ranks is not None and ranks.rank > 0:
+        return {}
     extra: dict = {}
+    out_dir = Path(cfg.output_dir)
     if preset == "tiny":
-        out_dir = Path(args.output_dir or base["output_dir"])
-        setup = tiny_setup(out_dir, seed=args.seed or 0, model=args.model or "")
-        base["model"] = setup["model"]
+        setup = tiny_setup(out_dir, seed=cfg.seed, model=cfg.model)
+        cfg = dataclasses.replace(cfg, model=setup["model"])
         train, test = setup["train"], setup["test"]
         reward, judge = setup["reward"], setup["judge"]
         extra["reward_model_agreement"] = setup["reward_model_agreement"]
         print(f"reward model agrees with the gold scorer on {setup['reward_model_agreement']:.3f}")
     else:
-        base.update(paper_models(args.size))
+        # The paper's models of --size, unless given by flag.
+        sized = paper_models(tldr.size)
+        given = {k: v for k, v in vars(args).items() if k in sized and v is not None}
+        cfg = dataclasses.replace(cfg, **{**sized, **given})
         reward = RewardModelReward(
-            args.reward_model or paper_reward_model(args.size),
+            tldr.reward_model or paper_reward_model(tldr.size),
             device="cuda" if torch.cuda.is_available() else "cpu",  # a searcher's own GPU
-            max_length=MAX_PROMPT_TOKENS + base["max_new_tokens"] + 1,
+            max_length=MAX_PROMPT_TOKENS + cfg.max_new_tokens + 1,
             completion_suffix=EOS_TEXT,
         )
-    cfg = config_from_args(args, base)
-    out_dir = Path(cfg.output_dir)
+    configs = dataclasses.replace(configs, tba=cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     if preset != "tiny":  # the data first: missing files are named before any model loads
-        train, test = load_tldr(cfg.data_dir)
+        train, test = load_tldr(tldr.data_dir)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     if preset != "tiny":
         train = drop_long_prompts(train, tokenizer, MAX_PROMPT_TOKENS, "train")
         test = drop_long_prompts(test, tokenizer, MAX_PROMPT_TOKENS, "validation")
         judge = RewardModelReward(
-            args.gold_model,
+            tldr.gold_model,
             device=cfg.trainer_device,
             max_length=2 * (MAX_PROMPT_TOKENS + cfg.max_new_tokens),
             completion_suffix=EOS_TEXT,
-            tokenizer_path=args.gold_tokenizer,
+            tokenizer_path=tldr.gold_tokenizer,
         )
-    test = test[: cfg.eval_test_size or None]
-    subset = test[: cfg.eval_subset]
+    test = test[: eval_cfg.eval_test_size or None]
+    subset = test[: eval_cfg.eval_subset]
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.trainer_device)
     reference = load_causal_lm(
         cfg.ref_model or cfg.model, cfg.torch_dtype(), device, cfg.trust_remote_code
     ).eval()
-    evaluator = SummaryEvaluator(cfg, tokenizer, judge, reference)
+    evaluator = SummaryEvaluator(cfg, eval_cfg, tokenizer, judge, reference)
     before = evaluator.evaluate(reference, test, "eval before")
     print(
         f"before RL: win rate {before['win_rate']:.3f}, perplexity {before['perplexity']:.3f} "
@@ -728,14 +800,14 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     def on_step(trainer, metrics):
-        if cfg.eval_every and trainer.step % cfg.eval_every == 0:
-            res = evaluator.evaluate(trainer.model, subset, "eval (subset)")
+        if eval_cfg.eval_every and trainer.step % eval_cfg.eval_every == 0:
+            res = evaluator.evaluate(trainer.whole_model(), subset, "eval (subset)")
             metrics["eval/win_rate"] = res["win_rate"]
             metrics["eval/perplexity"] = res["perplexity"]
             metrics["eval/judge_score"] = res["judge_score"]
 
     rl_start = time.time()
-    trainer = run_tba(cfg, train, reward, on_step=on_step)
+    trainer = launch.run(configs, ranks, train, reward, on_step=on_step)
     rl_seconds = time.time() - rl_start
     final = out_dir / "final"
     trainer.model.save_pretrained(final)
@@ -756,7 +828,7 @@ def main(argv: list[str] | None = None) -> dict:
         "test_size": len(test),
         "checkpoint": str(final),
         "summary": run_summary(out_dir, cfg.mop_prob),
-        "config": dataclasses.asdict(cfg),
+        "config": launch.config_dict(configs),
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     print_summary(results["summary"])

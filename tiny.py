@@ -1,0 +1,243 @@
+"""The tiny task: GSM8K-format sums made in code, a character tokenizer and a tiny Llama built
+in code, a supervised warm start, and the preset that runs TBA on them on a CPU in minutes.
+Every job's tiny preset, the bench and the tests start from here; nothing is downloaded.
+
+    python run_gsm8k.py --preset tiny        # the whole system on this task (docs/tiny.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import string
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from evaluate import EvalConfig, Evaluator, to_examples
+from tba import TBAConfig, configs_from_args, pad_sequences, sequence_logprobs
+
+# Offline CPU run: a tiny Llama warm-started on synthetic sums, then TBA with 1 searcher. Tuned
+# for time to accuracy on a 2-core CPU (docs/tiny.md, "How the tiny preset was tuned"):
+# publishing every step, and training only on data at most one version old, which the staleness
+# experiment found free per step (docs/staleness.md), while searcher and trainer still overlap.
+# One CPU: fp32, trainer and searcher on ``cpu``, the transformers engine (vLLM eager where it
+# is chosen: compiling costs start-up and gains a CPU no speed), shared-memory weights, and one
+# torch thread per process (tiny ops: a 2nd thread only spins, and slows badly when a core is busy).
+CPU_VALUES: dict = dict(
+    dtype="float32",
+    trainer_device="cpu",
+    searcher_devices="cpu",
+    engine="hf",
+    vllm_compile=False,
+    weight_store="shared_memory",
+    num_searchers=1,
+    torch_threads=1,
+)
+TINY_PRESET: dict = dict(
+    CPU_VALUES,
+    model="",
+    num_generations=8,
+    responses_per_prompt=8,
+    prompts_per_step=16,
+    searcher_batch_prompts=16,
+    temperature=0.7,
+    max_new_tokens=24,
+    lr=2e-4,
+    warmup_steps=5,
+    stable_steps=10_000,
+    decay_steps=0,
+    total_steps=400,
+    beta_start=0.05,
+    beta_end=0.05,
+    beta_anneal_steps=0,
+    mop_prob=0.95,
+    sync_every=1,
+    max_lag=1,
+    max_train_lag=1,
+    buffer_capacity=32,
+    initial_samples=128,
+    queue_size=4,
+    seed=0,
+    output_dir="runs/tiny",
+    tempered_logprobs=False,
+    eos_in_logprob=True,
+    max_grad_norm=1.0,
+    eval_every=50,
+    eval_subset=200,
+    eval_samples=8,
+    eval_batch_size=100,
+    checkpoint_every=100,  # four a run: a checkpoint costs several steps' time here
+    timeout_s=300.0,
+)
+TINY_DATA = dict(train=4000, test=200, digits=2)  # synthetic problems (train / held-out test)
+TINY_MODEL = dict(hidden=64, layers=2, heads=2)  # tiny Llama over the char vocabulary
+# Supervised warm start: stop once greedy accuracy on a validation set (not the test set)
+# reaches `target`, so RL starts from a model that is clearly imperfect but not hopeless.
+# Addition is learned abruptly (0.4 -> 0.8 within 50 steps), so validation gets frequent near it.
+TINY_WARM_START = dict(
+    max_steps=4000,
+    lr=3e-3,
+    batch=32,
+    target=0.6,
+    check_every=50,
+    check_every_near=10,
+    near=0.2,
+    val=100,
+)
+
+
+# ----------------------------------------------------------------------------- the task
+
+
+def build_char_tokenizer():
+    """A character-level tokenizer built in code (no hub): specials <pad> <eos> <bos> <unk>,
+    then digits, letters, punctuation, space and newline. Saves and loads with transformers."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    chars = sorted(set(string.digits + string.ascii_letters + string.punctuation + " \n"))
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+    )
+
+
+def synthetic_problems(count: int, seed: int, digits: int = 2) -> list[dict]:
+    """GSM8K-format sums made in code: a question and a worked answer ending in ``#### N``."""
+    rng = random.Random(seed)
+    lo, hi = 10 ** (digits - 1), 10**digits - 1
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        rows.append(
+            {"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+        )
+    return rows
+
+
+def build_tiny_model(
+    tokenizer, hidden: int = 64, layers: int = 2, heads: int = 2, seed: int = 0, tied: bool = True
+):
+    """A tiny Llama-architecture causal LM from a transformers config (no download). vLLM's CPU
+    attention needs a head dimension hidden / heads of at least 32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=tied,
+    )
+    return LlamaForCausalLM(config)
+
+
+def save_tiny_model(
+    path: str | Path, hidden: int = 64, layers: int = 2, heads: int = 2, tied: bool = True
+) -> str:
+    """Build the character tokenizer and a tiny Llama over it and save both to ``path`` (for
+    tests, benchmarks and ``--model``); returns the path as a string."""
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, hidden=hidden, layers=layers, heads=heads, tied=tied)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def tiny_task() -> tuple[list[dict], list[dict], list[dict]]:
+    """The tiny preset's (train, test, validation) examples: disjoint seeds, the same digits."""
+    digits = TINY_DATA["digits"]
+    train = to_examples(synthetic_problems(TINY_DATA["train"], seed=1, digits=digits))
+    test = to_examples(synthetic_problems(TINY_DATA["test"], seed=2, digits=digits))
+    val = to_examples(synthetic_problems(TINY_WARM_START["val"], seed=3, digits=digits))
+    return train, test, val
+
+
+def tiny_configs(
+    model: str, preset: dict = TINY_PRESET, **overrides
+) -> tuple[TBAConfig, EvalConfig]:
+    """The TBAConfig and EvalConfig of ``preset`` (a tiny preset: its keys are fields of the
+    two) for ``model``, with ``overrides``: what the bench and the tests run without a command
+    line."""
+    values = {**preset, "model": model, **overrides}
+    cfg, eval_cfg = configs_from_args(argparse.Namespace(), values, TBAConfig, EvalConfig)
+    return cfg, eval_cfg
+
+
+def cpu_config(model: str, **overrides) -> TBAConfig:
+    """A TBAConfig of ``CPU_VALUES`` for ``model``; ``overrides`` set any other field."""
+    values = dict(CPU_VALUES, model=model)
+    values.update(overrides)
+    return TBAConfig(**values)
+
+
+# ----------------------------------------------------------------------------- warm start
+
+
+def tiny_warm_start(out_dir: Path, train: list[dict], val: list[dict], seed: int) -> str:
+    """Build the tiny model and tokenizer, train them supervised on worked answers until the
+    validation accuracy reaches the target, and save them to ``out_dir/warm_start`` -- cached:
+    a rerun loads instead of training again."""
+    path = out_dir / "warm_start"
+    if (path / "config.json").exists():
+        print(f"warm start: cached at {path}")
+        return str(path)
+    spec = TINY_WARM_START
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, seed=seed, **TINY_MODEL)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
+    gen = torch.Generator().manual_seed(seed)
+    rows = [
+        (
+            tokenizer(ex["prompt"])["input_ids"],
+            tokenizer(ex["answer"], add_special_tokens=False)["input_ids"]
+            + [tokenizer.eos_token_id],
+        )
+        for ex in train
+    ]
+    cfg = cpu_config("", max_new_tokens=TINY_PRESET["max_new_tokens"])
+    evaluator = Evaluator(
+        cfg, EvalConfig(eval_batch_size=TINY_PRESET["eval_batch_size"]), tokenizer
+    )
+    bar = tqdm(range(spec["max_steps"]), desc="warm start (supervised)", dynamic_ncols=True)
+    acc = 0.0
+    for step in bar:
+        idx = torch.randint(len(rows), (spec["batch"],), generator=gen).tolist()
+        ids, attn, resp = pad_sequences(
+            [rows[i][0] for i in idx], [rows[i][1] for i in idx], tokenizer.pad_token_id
+        )
+        model.train()
+        loss = -sequence_logprobs(model, ids, attn, resp).sum() / resp.sum()  # token-mean NLL
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if (step + 1) % (
+            spec["check_every_near"] if acc >= spec["near"] else spec["check_every"]
+        ) == 0:
+            acc = evaluator.accuracy(model, val, "warm start validation")
+            bar.set_postfix(nll=f"{loss.item():.3f}", val_acc=f"{acc:.2f}")
+            if acc >= spec["target"]:
+                break
+    bar.close()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
