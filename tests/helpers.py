@@ -1,0 +1,201 @@
+"""What several test files share: rewards for tiny runs, process watching, time limits, and the
+command-line runs of the main job."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+import checks
+import grpo
+from tba import TBAConfig
+from trainer import Parts
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def probe(cfg: TBAConfig, tolerance: float = 1e-4) -> checks.ParityProbe:
+    """The parity probe of ``cfg.model``'s tokenizer, at a tolerance for fp32 engines."""
+    tokens = AutoTokenizer.from_pretrained(cfg.model)(checks.PROBE_TEXT)["input_ids"]
+    return checks.ParityProbe.from_prompt(tokens, tolerance)
+
+
+def checked(cfg: TBAConfig, parts: Parts | None = None, tolerance: float = 1e-4) -> Parts:
+    """``parts`` (TB's by default) with the parity check on both sides (checks.py):
+    trainer.published then holds every version's checksum, and the searchers report theirs."""
+    return checks.install(parts or Parts(), probe(cfg, tolerance))
+
+
+def grpo_parts() -> Parts:
+    """The GRPO baseline's parts (grpo.py)."""
+    return grpo.install(Parts(), grpo.GRPOConfig(loss="grpo"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def proc_stats() -> list[tuple[int, list[str], str]]:
+    """(pid, /proc/PID/stat fields after the command name, cmdline) of every process; field 0
+    is the state, then ppid, pgrp, session. Processes that exit meanwhile are skipped."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_text()
+                fields = stat.rsplit(")", 1)[1].split()
+                found.append((int(entry), fields, cmdline))
+    return found
+
+
+def child_pids() -> list[int]:
+    """Children of this process, zombies included; Python's own multiprocessing resource
+    tracker (one per interpreter, not ours to stop) is left out."""
+    return [
+        pid
+        for pid, fields, cmdline in proc_stats()
+        if int(fields[1]) == os.getpid() and "resource_tracker" not in cmdline
+    ]
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    """Fail (not hang) a test that runs past ``seconds``; run_tba's finally still cleans up."""
+
+    def fire(signum, frame):
+        raise TimeoutError(f"test exceeded {seconds}s")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def failing_reward(completion: str, example: dict) -> float:
+    raise RuntimeError("boom: this reward always fails")
+
+
+def nan_reward(completion: str, example: dict) -> float:
+    return float("nan")
+
+
+def session_pids(sid: int) -> list[int]:
+    """Processes of a session (the run started with start_new_session=True), zombies aside."""
+    return [pid for pid, fields, _ in proc_stats() if int(fields[3]) == sid and fields[0] != "Z"]
+
+
+def start_cli_run(model_dir: str, out: Path, *extra: str) -> subprocess.Popen:
+    args = [
+        sys.executable,
+        str(REPO / "run_gsm8k.py"),
+        "--preset",
+        "tiny",
+        "--model",
+        model_dir,
+        "--output_dir",
+        str(out),
+        "--eval_every",
+        "0",
+        "--eval_samples",
+        "0",
+        "--prompts_per_step",
+        "4",
+        "--searcher_batch_prompts",
+        "4",
+        "--num_generations",
+        "4",
+        "--responses_per_prompt",
+        "4",
+        "--initial_samples",
+        "16",
+        "--max_new_tokens",
+        "12",
+        "--torch_threads",
+        "1",
+        *extra,
+    ]
+    return subprocess.Popen(
+        args,
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for_rows(out: Path, rows: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (out / "metrics.jsonl").exists() and len(
+            (out / "metrics.jsonl").read_text().splitlines()
+        ) >= rows:
+            return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    raise TimeoutError(f"no {rows} metric rows in {timeout}s")
+
+
+@contextlib.contextmanager
+def cli_run(model_dir: str, out: Path, *extra: str):
+    """A run of the main job in its own session, every process of which is killed at the end."""
+    proc = start_cli_run(model_dir, out, *extra)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def stop_run(proc: subprocess.Popen, sig: int, wait_s: float, settle_s: float) -> float:
+    """Send ``sig`` to the run's main process; returns the seconds it took to exit, then waits
+    up to ``settle_s`` for the rest of its session to go."""
+    start = time.monotonic()
+    os.kill(proc.pid, sig)
+    proc.wait(timeout=wait_s)
+    took, deadline = time.monotonic() - start, time.monotonic() + settle_s
+    while session_pids(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return took
+
+
+def cpu_main_args(preset: str, model_dir: str, data_dir: Path, *extra: str) -> list[str]:
+    """run_gsm8k.main's arguments for ``preset`` on this CPU: one searcher, data and output in
+    ``data_dir``."""
+    return [
+        "--preset",
+        preset,
+        "--model",
+        model_dir,
+        "--data_dir",
+        str(data_dir),
+        "--trainer_device",
+        "cpu",
+        "--searcher_devices",
+        "cpu",
+        "--num_searchers",
+        "1",
+        "--output_dir",
+        str(data_dir / "out"),
+        *extra,
+    ]
+
+
+def read_metrics_if_any(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -1,0 +1,282 @@
+"""The replay buffer beyond the learner's tests: sampling, the realised m, packed storage, state."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+
+import pytest
+import torch
+
+from buffer import ReplayBuffer, Trajectory
+from tba import (
+    TBAConfig,
+    WeightStore,
+)
+from test_tba import traj
+from trainer import Trainer
+
+
+def test_buffer_shapes_and_sampling_with_replacement():
+    buf = ReplayBuffer(capacity=10, seed=0)
+    for pid in range(5):
+        for j in range(3):  # fewer items than K: sampled with replacement
+            buf.add(traj(pid, [pid, j]))
+    groups, is_mop = buf.sample(4, 8)
+    assert len(groups) == 4 and all(len(g) == 8 for g in groups) and len(is_mop) == 4
+    assert len({g[0].prompt_id for g in groups}) == 4  # distinct prompts within a step
+    assert all(len({t.prompt_id for t in g}) == 1 for g in groups)
+    with pytest.raises(ValueError, match="prompts asked"):
+        buf.sample(6, 2)
+
+
+@pytest.mark.slow
+def test_mop_fraction_is_realised_at_the_paper_shape(tiny_model_dir):
+    """Simulated searchers at the paper's shape feed the real Trainer as run_tba does: 3
+    searchers of different speeds (a batch of 3 prompts x 24 every 1, 1.7 and 2.9 trainer
+    steps), P = 7 prompts of K = 20 per step, a sync every 2 steps. Often fewer than P prompts
+    are fresh since the sync; the realised most-on-policy fraction is still m."""
+    cfg = TBAConfig(
+        model=tiny_model_dir,
+        dtype="float32",
+        num_searchers=3,
+        searcher_devices="cpu",
+        trainer_device="cpu",
+        lr=1e-4,
+        max_new_tokens=4,
+        initial_samples=200,
+    )
+    trainer = Trainer(cfg, torch.device("cpu"), pad_id=0, eos_id=1)
+    store = WeightStore(list(trainer.model.named_parameters()), torch.float32, torch.device("cpu"))
+    rng = random.Random(0)
+    periods, next_prompt = (1.0, 1.7, 2.9), 0
+    due, held = [0.0, 0.0, 0.0], [0, 0, 0]  # next delivery (in steps) and weights version held
+    mop_fracs, short_steps = [], 0
+    for step in range(200):
+        for s in range(3):
+            while due[s] <= step:  # deliver a batch made with the weights held, then load newer
+                for _ in range(3):
+                    for _ in range(24):
+                        trainer.buffer.add(
+                            Trajectory(
+                                next_prompt % 400,
+                                [5, 6],
+                                [rng.randrange(4, 40) for _ in range(3)] + [1],
+                                float(rng.random() < 0.4),
+                                -9.0,
+                                held[s],
+                            )
+                        )
+                    next_prompt += 1
+                due[s] += periods[s]
+                held[s] = store.version()
+        if not trainer.ready():
+            continue
+        short_steps += len(trainer.buffer._fresh) < cfg.prompts_per_step
+        metrics = trainer.train_step()
+        mop_fracs.append(metrics["async/mop_frac"])
+        if trainer.step % cfg.sync_every == 0:
+            trainer.publish(store)
+    realised = sum(mop_fracs) / len(mop_fracs)
+    assert len(mop_fracs) > 150 and short_steps > 20
+    assert abs(realised - cfg.mop_prob) < 0.03, f"realised m {realised:.3f}"
+
+
+def test_buffer_inv_temp_zero_is_uniform_and_large_picks_best():
+    uniform = ReplayBuffer(capacity=10, mop_prob=0.0, inv_temp=0.0, seed=2)
+    for j in range(10):
+        uniform.add(traj("p", [j], reward=float(j)))
+    counts = [0] * 10
+    for _ in range(3000):
+        for t in uniform.sample(1, 2)[0][0]:
+            counts[t.response_tokens[0]] += 1
+    freqs = [c / 6000 for c in counts]
+    assert max(abs(f - 0.1) for f in freqs) < 0.025, freqs
+
+    greedy = ReplayBuffer(capacity=10, mop_prob=0.0, inv_temp=1000.0, seed=3)
+    for j in range(10):
+        greedy.add(traj("p", [j], reward=float((7 * j) % 10)))  # rewards 0..9, shuffled
+    for _ in range(50):
+        picked = sorted(t.reward for t in greedy.sample(1, 3)[0][0])
+        assert picked == [7.0, 8.0, 9.0]
+
+
+def test_buffer_state_round_trip(tmp_path):
+    buf = ReplayBuffer(capacity=5, mop_prob=0.5, inv_temp=2.0, seed=4)
+    for pid in range(6):
+        for j in range(4):
+            buf.add(traj(pid, [pid, j], reward=random.Random(j).random(), version=pid % 3))
+    buf.sample(2, 3)
+    torch.save(buf.state_dict(), tmp_path / "buf.pt")
+    copy = ReplayBuffer()
+    copy.load_state_dict(torch.load(tmp_path / "buf.pt", weights_only=True))
+    assert copy.stats(5) == buf.stats(5)
+    for _ in range(5):
+        a, b = buf.sample(3, 4), copy.sample(3, 4)
+        assert [[t.response_tokens for t in g] for g in a[0]] == [
+            [t.response_tokens for t in g] for g in b[0]
+        ]
+        assert a[1] == b[1]
+
+
+def test_buffer_state_round_trips_per_token_log_probs(tmp_path):
+    """The per-token lists a loss asked for (GRPO's) survive a checkpoint (weights_only); an
+    item without them loads with None."""
+    buf = ReplayBuffer(capacity=4, seed=1)
+    lists = {"behaviour": [-0.5, -1.5], "reference": [-0.25, -1.0]}
+    buf.add(Trajectory(0, [5], [7, 8, 1], 1.0, -2.0, 0, lists))
+    buf.add(traj(1, [9, 1]))
+    torch.save(buf.state_dict(), tmp_path / "buf.pt")
+    copy = ReplayBuffer()
+    copy.load_state_dict(torch.load(tmp_path / "buf.pt", weights_only=True))
+    assert copy.groups[0][0].token_logprobs == lists
+    assert copy.groups[1][0].token_logprobs is None
+
+
+class ListLayoutBuffer(ReplayBuffer):
+    """The slow reference: ReplayBuffer.add as it was before items were packed (Trajectory
+    records holding lists, deduplication by tuples, a sort per add), with the same sampling."""
+
+    def add(self, traj: Trajectory) -> None:
+        group = self.groups.pop(traj.prompt_id, [])
+        self.groups[traj.prompt_id] = group
+        self._fresh.add(traj.prompt_id)
+        if group:
+            traj = dataclasses.replace(traj, prompt_tokens=group[0].prompt_tokens)
+        key = tuple(traj.response_tokens)
+        gone = [t for t in group if tuple(t.response_tokens) == key]
+        group[:] = [t for t in group if tuple(t.response_tokens) != key] + [traj]
+        group.sort(key=lambda t: t.version)
+        gone += group[: -self.capacity]
+        del group[: -self.capacity]
+        for t in gone:
+            self._per_version[t.version] -= 1
+        self._per_version[traj.version] += 1
+        self.num_added += 1
+        self.newest_version = max(self.newest_version, traj.version)
+
+    def _unpacked(self, items: list) -> list[Trajectory]:
+        return list(items)
+
+
+def test_buffer_checkpoint_with_empty_responses_loads_weights_only(tmp_path):
+    """An empty response and empty per-token lists (a response of only an unscored EOS) survive
+    torch.save and torch.load(weights_only=True): pickle writes empty bytes as a call that the
+    weights-only unpickler refuses."""
+    buffer = ReplayBuffer(capacity=4, seed=0)
+    empty = {"behaviour": [], "reference": []}
+    buffer.add(Trajectory("p", [5, 6], [], 1.0, -0.5, 3, token_logprobs=empty))
+    lists = {"behaviour": [-0.1, -0.2], "reference": [-0.3, -0.4]}
+    buffer.add(Trajectory("p", [5, 6], [7, 2**31 - 1], 0.0, -1.5, 4, lists))
+    torch.save(buffer.state_dict(), tmp_path / "buffer.pt")
+    loaded = ReplayBuffer()
+    loaded.load_state_dict(torch.load(tmp_path / "buffer.pt", weights_only=True))
+    assert loaded.sample(1, 2)[0] == buffer.sample(1, 2)[0]
+    assert sorted(len(t.response_tokens) for t in loaded.sample(1, 2)[0][0]) == [0, 2]
+
+
+def test_buffer_packed_layout_draws_what_the_list_layout_drew():
+    """Packed items change no draw: against the list layout, the same seed gives the same
+    prompts, items and flags through duplicates, out-of-order versions, evictions, syncs and
+    every kind of sample, and the same stored groups."""
+    rng = random.Random(0)
+    kwargs = dict(capacity=5, mop_prob=0.6, inv_temp=1.5, seed=7)
+    packed, reference = ReplayBuffer(**kwargs), ListLayoutBuffer(**kwargs)
+    version = 0
+    draws = 0
+    for i in range(1500):
+        version += rng.random() < 0.02
+        # a few short responses over a small vocabulary: many duplicates
+        tokens = [rng.randrange(4) for _ in range(rng.randint(1, 3))]
+        t = Trajectory(
+            rng.randrange(40),
+            [rng.randrange(9), 70000],
+            tokens,
+            round(rng.uniform(-2, 2), 1),
+            -rng.random(),
+            max(0, version - rng.randrange(3)),  # some arrive out of order
+        )
+        packed.add(t)
+        reference.add(t)
+        if i % 200 == 199:
+            packed.mark_sync()
+            reference.mark_sync()
+        if i % 10 == 9 and len(packed.groups) >= 4:
+            for shape, bound in (
+                ((4, 3), {}),
+                ((4, 3), {"min_version": version - 1}),
+                ((2, 2), {"min_version": version}),
+            ):
+                try:
+                    drawn = packed.sample(*shape, **bound)
+                except ValueError as error:  # too few eligible prompts: the same for both
+                    with pytest.raises(ValueError, match=re.escape(str(error))):
+                        reference.sample(*shape, **bound)
+                    continue
+                assert drawn == reference.sample(*shape, **bound)
+                draws += 1
+    assert draws > 300
+    assert list(packed.groups) == list(reference.groups)
+    for pid, group in packed.groups.items():
+        assert [t.trajectory() for t in group] == reference.groups[pid]
+    assert packed.stats(version) == reference.stats(version)
+
+
+def test_buffer_packs_tokens_exactly_and_shares_a_prompt():
+    buf = ReplayBuffer(capacity=3)
+    tokens = [0, 1, 50256, 151_000, 2**31 - 1]
+    logprobs = [-0.1, -1e-300, -123.456789012345, -0.0, -7.0]
+    lists = {"behaviour": logprobs, "reference": logprobs[::-1]}
+    buf.add(Trajectory("p", [3, 151_646], tokens, 1.0, -2.5, 4, lists))
+    buf.add(Trajectory("p", [9, 9, 9], [5], 0.0, -1.0, 4))  # the group's first prompt is kept
+    first, second = buf.groups["p"]
+    assert first.response_tokens == tokens and first.token_logprobs == lists
+    assert second.token_logprobs is None
+    assert first.prompt is second.prompt and second.prompt_tokens == [3, 151_646]
+    assert len(first.response) == 4 * len(tokens)  # int32, not Python ints
+    (group,), _ = buf.sample(1, 3, min_version=4)
+    assert all(isinstance(t, Trajectory) for t in group)
+    assert Trajectory("p", [3, 151_646], tokens, 1.0, -2.5, 4, lists) in group
+    with pytest.raises(OverflowError):
+        buf.add(Trajectory("q", [1], [2**31], 0.0, 0.0, 0))
+
+
+def test_buffer_packed_state_round_trips(tmp_path):
+    """A packed state loads (weights_only) to the same items, prompts shared, and draws as the
+    list layout does; a state of another format is a clear error."""
+    buf = ReplayBuffer(capacity=4, mop_prob=0.5, inv_temp=1.0, seed=2)
+    reference = ListLayoutBuffer(capacity=4, mop_prob=0.5, inv_temp=1.0, seed=2)
+    rng = random.Random(1)
+    for i in range(300):
+        logprobs = [rng.uniform(-5, 0) for _ in range(3)] if i % 3 else None
+        t = Trajectory(
+            (i % 17, "x") if i % 2 else i % 17,  # tuple ids come back as tuples
+            [i % 17, 70000],
+            [rng.randrange(100_000) for _ in range(rng.randint(1, 4))],
+            rng.random(),
+            -rng.random(),
+            i // 40,
+            None if logprobs is None else {"behaviour": logprobs, "reference": logprobs},
+        )
+        buf.add(t)
+        reference.add(t)
+    buf.sample(3, 2)
+    reference.sample(3, 2)
+    torch.save(buf.state_dict(), tmp_path / "buf.pt")
+    expected = [reference.sample(3, 2) for _ in range(5)]
+    loaded = ReplayBuffer()
+    loaded.load_state_dict(torch.load(tmp_path / "buf.pt", weights_only=True))
+    assert list(loaded.groups) == list(buf.groups)
+    for pid, group in buf.groups.items():
+        assert [t.trajectory() for t in loaded.groups[pid]] == [t.trajectory() for t in group]
+        assert all(t.prompt is loaded.groups[pid][0].prompt for t in loaded.groups[pid])
+    assert loaded.stats(9) == buf.stats(9)
+    assert [loaded.sample(3, 2) for _ in range(5)] == expected
+    again = loaded.groups[5][-1].trajectory()  # a loaded item's duplicate replaces it
+    loaded.add(dataclasses.replace(again, reward=9.0, version=20))
+    assert len(loaded) == len(buf) and loaded.groups[5][-1].reward == 9.0
+    other = buf.state_dict()
+    other["format"] = 2  # the format before the per-token lists were one mapping
+    with pytest.raises(ValueError, match="state format 2"):
+        ReplayBuffer().load_state_dict(other)

@@ -1,0 +1,112 @@
+"""The checks (checks.py): the smoke preset's summary and the weights verdict."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+import checks
+from helpers import checked, child_pids, cpu_main_args, time_limit
+from run_gsm8k import main
+from test_tba import digit_reward, pace, read_metrics, tiny_cfg, tiny_examples
+from trainer import run_tba
+
+
+@pytest.mark.slow
+def test_every_loaded_version_is_the_published_one(tiny_model_dir, tmp_path):
+    """With the checks installed, the trainer keeps each published version's checksum and every
+    searcher reports the checksum of the version it holds after each load: the two agree, and
+    training really changed the weights."""
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, total_steps=16)
+    with time_limit(120):
+        trainer = run_tba(
+            cfg,
+            tiny_examples(),
+            digit_reward,
+            parts=checked(cfg),
+            on_step=pace,
+            show_progress=False,
+        )
+    assert sorted(trainer.published) == list(range(0, 17, 2))
+    seen = 0
+    for r in read_metrics(tmp_path):
+        for rank in (0, 1):
+            if f"searcher{rank}/checksum" in r:
+                version = int(r[f"searcher{rank}/version"])
+                assert r[f"searcher{rank}/checksum"] == pytest.approx(
+                    trainer.published[version], rel=1e-12
+                )
+                seen += 1
+    assert seen > 0 and len(set(trainer.published.values())) > 3
+    assert child_pids() == []
+
+
+@pytest.mark.slow
+def test_smoke_preset_reports_step_time_memory_mop_and_lag(tiny_model_dir, tmp_path, capsys):
+    """--preset smoke: the paper preset (bf16, N = 24, K = 20, P = 7) for ten steps, parity
+    checked after every weight load, then the summary a user needs on a new GPU box, ending with
+    whether the weights reached every engine. Here on CPU with a tiny model and short answers."""
+
+    rows = "".join(
+        json.dumps({"question": f"What is {a} + {a}?", "answer": f"#### {2 * a}"}) + "\n"
+        for a in range(30)
+    )
+    (tmp_path / "train.jsonl").write_text(rows)
+    (tmp_path / "test.jsonl").write_text(rows)
+    with time_limit(240):
+        results = main(
+            cpu_main_args(
+                "smoke",
+                tiny_model_dir,
+                tmp_path,
+                "--max_new_tokens",
+                "8",
+                "--initial_samples",
+                "48",
+                "--torch_threads",
+                "1",
+            )
+        )
+    summary = results["summary"]
+    assert summary["steps"] == 10 and summary["seconds_per_step_median"] > 0
+    assert set(summary["peak_memory_gb"]) == {"trainer", "searcher0"}
+    assert all(0 < gb < 24 for gb in summary["peak_memory_gb"].values())
+    assert 0 <= summary["mop_frac"] <= 1 and summary["lag_max"] >= summary["lag_mean"] >= 0
+    assert results["test_size"] == 30 and results["config"]["dtype"] == "bfloat16"
+    assert results["config"]["parity_check"]
+    assert summary["weights"].startswith("weights reached every searcher (searcher0 up to version")
+    assert summary["weights"].endswith("and the evaluator (it runs the trainer's model itself)")
+    printed = capsys.readouterr().out
+    for text in (
+        "s/step (median)",
+        "peak memory per process: trainer",
+        "most-on-policy fraction",
+        "lag mean",
+    ):
+        assert text in printed, text
+    assert printed.splitlines()[-1] == summary["weights"]
+    assert child_pids() == []
+
+
+def test_weights_verdict_names_what_was_not_confirmed(tmp_path):
+    rows = [
+        {"step": 1, "searcher0/version": 0.0, "searcher1/version": 0.0},
+        {"step": 2, "searcher0/version": 2.0, "searcher1/version": 0.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hf = types.SimpleNamespace(vllm=None)
+    on_vllm = types.SimpleNamespace(vllm=object(), checked_loads=0)
+
+    def verdict(num_searchers, evaluator):
+        return checks.weights_verdict(num_searchers, tmp_path, evaluator)
+
+    assert verdict(1, hf) == (
+        "weights reached every searcher (searcher0 up to version 2; parity checked after every "
+        "load) and the evaluator (it runs the trainer's model itself)"
+    )
+    assert verdict(3, on_vllm) == (
+        "weights NOT confirmed for: searcher1 (only version 0 checked, the weights it started "
+        "from), searcher2 (no batch arrived), the evaluator (no vLLM load checked)"
+    )

