@@ -1,7 +1,7 @@
 """What every job shares (run_gsm8k.py, run_tldr.py, run_redteam.py): its command line, built from
 the configs of the core, of the job and of the extensions; the ``trainer.Parts`` its flags ask
-for (GRPO, the checks); torchrun's ranks (a data-parallel trainer); and where the processes go
-on the GPUs a machine has.
+for (GRPO, the checks); torchrun's ranks (a data-parallel trainer); the tracker every metrics
+row also goes to (report.py); and where the processes go on the GPUs a machine has.
 
     configs = launch.parse(parser, args, preset_values, EvalConfig)  # one config per component
     ranks = launch.torchrun(configs)   # ranks > 0 train under rank 0 in here, then return
@@ -20,11 +20,17 @@ from transformers import AutoTokenizer
 import checks
 import data_parallel
 import grpo
+import report
 from tba import TBAConfig, config_argparser, configs_from_args
 from trainer import Parts, Trainer, run_tba
 
 # The extensions every job offers, by the config that switches them on.
-EXTENSION_CONFIGS = (grpo.GRPOConfig, checks.ChecksConfig, data_parallel.DataParallelConfig)
+EXTENSION_CONFIGS = (
+    grpo.GRPOConfig,
+    checks.ChecksConfig,
+    data_parallel.DataParallelConfig,
+    report.ReportConfig,
+)
 
 
 @dataclass
@@ -36,6 +42,7 @@ class Configs:
     grpo: grpo.GRPOConfig
     checks: checks.ChecksConfig
     data_parallel: data_parallel.DataParallelConfig
+    report: report.ReportConfig
     task: list
 
 
@@ -55,14 +62,21 @@ def argparser(description: str, presets: list[str], *task_configs: type) -> argp
 def parse(args: argparse.Namespace, base: dict, *task_configs: type) -> Configs:
     """The configs of ``args`` over the preset ``base``; a bad value is a ConfigError."""
     tba, *rest = configs_from_args(args, base, TBAConfig, *EXTENSION_CONFIGS, *task_configs)
-    grpo_cfg, checks_cfg, dp_cfg, *task = rest
-    return Configs(tba, grpo_cfg, checks_cfg, dp_cfg, task)
+    grpo_cfg, checks_cfg, dp_cfg, report_cfg, *task = rest
+    return Configs(tba, grpo_cfg, checks_cfg, dp_cfg, report_cfg, task)
 
 
 def config_dict(configs: Configs) -> dict:
     """Every field of every config, for results.json."""
     values = {}
-    for config in (configs.tba, configs.grpo, configs.checks, configs.data_parallel, *configs.task):
+    for config in (
+        configs.tba,
+        configs.grpo,
+        configs.checks,
+        configs.data_parallel,
+        configs.report,
+        *configs.task,
+    ):
         values.update(dataclasses.asdict(config))
     return values
 
@@ -112,20 +126,32 @@ def run(
     reward_fn: Callable,
     on_step: Callable[[Trainer, dict], None] | None = None,
 ) -> Trainer:
-    """``run_tba`` with the parts the flags ask for; under torchrun as rank 0 of the data-parallel
-    trainer (whose trained model, sharded or not, is whole in the returned trainer)."""
+    """``run_tba`` with the parts the flags ask for, every metrics row also sent to the tracker
+    of --report_to; under torchrun as rank 0 of the data-parallel trainer (whose trained model,
+    sharded or not, is whole in the returned trainer)."""
     cfg = configs.tba
     chosen = parts(configs)
-    if ranks is None:
-        return run_tba(cfg, examples, reward_fn, parts=chosen, on_step=on_step)
-    cfg = dataclasses.replace(cfg, trainer_device=str(ranks.device))
-    chosen = data_parallel.install(chosen, configs.data_parallel, ranks)
+    reporter = report.Reporter(configs.report, cfg.output_dir, config_dict(configs))
+
+    def step(trainer: Trainer, metrics: dict) -> None:
+        if on_step is not None:
+            on_step(trainer, metrics)
+        reporter.log(metrics)  # after the job's evaluation, whose keys go with the row
+
     trainer = None
     try:
-        trainer = run_tba(cfg, examples, reward_fn, parts=chosen, on_step=on_step)
+        if ranks is None:
+            trainer = run_tba(cfg, examples, reward_fn, parts=chosen, on_step=step)
+        else:
+            cfg = dataclasses.replace(cfg, trainer_device=str(ranks.device))
+            chosen = data_parallel.install(chosen, configs.data_parallel, ranks)
+            try:
+                trainer = run_tba(cfg, examples, reward_fn, parts=chosen, on_step=step)
+            finally:
+                data_parallel.finish(ranks, trainer)
+            ranks.close()
     finally:
-        data_parallel.finish(ranks, trainer)
-    ranks.close()
+        reporter.close(failed=trainer is None)
     return trainer
 
 
