@@ -29,6 +29,11 @@ intake             the trainer's intake of trajectories: ReplayBuffer.add per se
 tldr_staleness     TL;DR tiny (run_tldr's tiny preset) trained on data d versions stale in one
                    process (the staleness section's controlled lag): the gold win rate of greedy
                    summaries against the references, per loss and lag (--lags 0,15).
+ray                searchers as Ray actors (only when named in --sections; needs ray): a version of
+                   a 110M-parameter Llama from the trainer's publish to an actor on another Ray
+                   node (ray.put, the board, the actor's pull and copy), against a raw gloo send
+                   of the same bytes, per pair; and trajectories/s of actor calls into the driver
+                   against the in-node queue; with the parallel speedup measured beside them.
 machine            versions, cores, and how much two processes gain over one right now (2.0 on
                    two idle cores): asynchrony overlaps two processes, so it needs that gain.
 """
@@ -860,6 +865,204 @@ def bench_intake(
     return out
 
 
+# ----------------------------------------------------------------------------- Ray
+
+RAY_BATCH = (72, 100, 128)  # trajectories per batch (3 prompts x 24), prompt and response tokens
+
+
+def _fake_batch(rank: int = 0):
+    """A searcher's batch of RAY_BATCH's shape, with its statistics."""
+    from searcher import Batch, BatchStats
+
+    count, prompt_tokens, response_tokens = RAY_BATCH
+    trajectories = [
+        Trajectory(i // 24, list(range(prompt_tokens)), list(range(response_tokens)), 1.0, -9.0, 3)
+        for i in range(count)
+    ]
+    return Batch(rank, trajectories, BatchStats(0.0, 0.0, 0.0, 0.0, 3, 0.5, 0.1))
+
+
+def _gloo_receiver(port: int, nbytes: int, reps: int, res_q) -> None:
+    """Rank 1 of a raw gloo pair over loopback: each receive's seconds."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+    payload = torch.empty(nbytes, dtype=torch.uint8)
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.recv(payload, src=0)
+        res_q.put(time.perf_counter() - t0)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _queue_producer(out_queue, batches: int) -> None:
+    for _ in range(batches):
+        out_queue.put(_fake_batch())
+
+
+def _in_node_rate(batches: int) -> float:
+    """Trajectories/s through the in-node path: a searcher process's bounded mp.Queue."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue(maxsize=8)
+    proc = ctx.Process(target=_queue_producer, args=(queue, batches))
+    proc.start()
+    queue.get(timeout=120)  # the first: the producer has started
+    t0 = time.perf_counter()
+    for _ in range(batches - 1):
+        queue.get(timeout=120)
+    rate = (batches - 1) * RAY_BATCH[0] / (time.perf_counter() - t0)
+    proc.join(timeout=30)
+    return rate
+
+
+class _BatchActor:
+    """A searcher actor's stand-in: returns a ready batch per call (Ray's share of the path)."""
+
+    def __init__(self):
+        self.batch = _fake_batch()
+
+    def step(self):
+        return "incarnation", self.batch
+
+
+class _LoadActor:
+    """A searcher actor's weight path: ray_searchers.RayWeightSource into a model's tensors."""
+
+    def __init__(self, board, layout: list, numel: int):
+        import ray_searchers
+
+        torch.set_num_threads(1)
+        self.source = ray_searchers.RayWeightSource(board, layout, torch.float32)
+        self.params = torch.empty(numel)
+
+    def ready(self) -> bool:
+        return True
+
+    def load(self, version: int) -> float:
+        """Seconds from this call until ``version`` is copied in (waits for the board)."""
+        t0 = time.perf_counter()
+        while self.source.version() < version:
+            time.sleep(0.001)
+        flat = self.params
+
+        def copy(views):
+            offset = 0
+            for _, view in views:
+                flat[offset : offset + view.numel()].copy_(view.reshape(-1))
+                offset += view.numel()
+
+        self.source.load_into(copy)
+        return time.perf_counter() - t0
+
+
+def bench_ray(reps: int, model_kwargs: dict, batches: int) -> dict:
+    """Searchers as Ray actors on a 2-node Ray cluster on loopback (a head with the driver, a
+    worker node with the actor): a version of ``model_kwargs``'s Llama from the trainer's
+    publish to an actor's tensors (publish, ray.put, the board, the actor's pull across nodes
+    and copy: ray_searchers' own path) against a raw gloo send of the same bytes right after
+    it, per pair; and trajectories/s of actor calls into the driver (ray_in_flight 2) against
+    the in-node queue. Median of ``reps``."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    import torch.distributed as dist
+    from ray.cluster_utils import Cluster
+
+    import ray_searchers
+
+    temp_dir = tempfile.mkdtemp(prefix="rb", dir="/tmp")  # short: unix socket paths
+    saved = {key: os.environ.get(key) for key in ("RAY_TMPDIR", "RAY_AUTH_MODE")}
+    os.environ.update(RAY_TMPDIR=temp_dir, RAY_AUTH_MODE="disabled")
+    torch.set_num_threads(1)
+    model = _llama(model_kwargs, "cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)  # touch every page
+    named = list(model.named_parameters())
+    store = WeightStore(named, torch.float32, torch.device("cpu"))
+    nbytes = store.flat.numel() * 4
+    # The gloo pair first: its peer would time out waiting while this process starts Ray.
+    ctx = mp.get_context("spawn")
+    res_q = ctx.Queue()
+    port = _free_port()
+    peer = ctx.Process(target=_gloo_receiver, args=(port, nbytes, reps + 1, res_q))
+    peer.start()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+    ray_searchers.keep_loopback()
+    node = dict(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=int(nbytes * 3.2))
+    cluster = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False))
+    cluster.add_node(**node, resources={"searcher": 1})
+    cluster.wait_for_nodes()
+    try:
+        ray_searchers.connect(cluster.address)
+        payload = torch.ones(nbytes, dtype=torch.uint8)
+        board = ray.remote(ray_searchers.WeightBoard).options(num_cpus=0).remote()
+        loader = (
+            ray.remote(_LoadActor)
+            .options(num_cpus=0, resources={"searcher": 1})
+            .remote(board, list(store.layout), store.flat.numel())
+        )
+        ray.get(loader.ready.remote())  # built, on the worker node
+        pairs = []
+        for version in range(reps + 1):  # version 0 warms both stores' pages up
+            t0 = time.perf_counter()
+            store.publish(named, version)
+            ref = ray.put(store.flat.view(torch.uint8).numpy())
+            board.set.remote(version, 0.0, [ref])
+            loaded = ray.get(loader.load.remote(version))
+            ray_s = time.perf_counter() - t0
+            del ref
+            dist.barrier()
+            dist.send(payload, dst=1)
+            gloo_s = res_q.get(timeout=300)
+            if version:
+                pairs.append((ray_s, gloo_s, loaded))
+        dist.barrier()
+        dist.destroy_process_group()
+        ray.kill(loader)  # its slot on the worker node is the batch actor's
+        actor = ray.remote(_BatchActor).options(num_cpus=0, resources={"searcher": 1}).remote()
+        ray.get(actor.step.remote())
+        pending = [actor.step.remote() for _ in range(2)]
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done[0])
+            pending.append(actor.step.remote())
+        ray_rate = batches * RAY_BATCH[0] / (time.perf_counter() - t0)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        peer.join(timeout=60)
+        if peer.is_alive():
+            peer.kill()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    in_node = _in_node_rate(batches)
+    return {
+        "version_mb": nbytes / 1e6,
+        "version_to_actor_s": statistics.median(r for r, _, _ in pairs),
+        "raw_gloo_s": statistics.median(g for _, g, _ in pairs),
+        "ray_over_gloo": statistics.median(r / g for r, g, _ in pairs),
+        "ray_over_gloo_range": [min(r / g for r, g, _ in pairs), max(r / g for r, g, _ in pairs)],
+        "trajectories_per_s_ray": ray_rate,
+        "trajectories_per_s_in_node": in_node,
+        "ray_over_in_node": ray_rate / in_node,
+        "reps": reps,
+        "batch": RAY_BATCH,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -947,7 +1150,7 @@ def main() -> None:
     parser.add_argument(
         "--sections",
         default="time_to_accuracy,staleness,engines,publish,intake",
-        help="comma list of the sections to run (also: data_parallel)",
+        help="comma list of the sections to run (also: data_parallel, ray, tldr_staleness)",
     )
     parser.add_argument(
         "--intake_reference",
@@ -1067,6 +1270,15 @@ def main() -> None:
             log("engines")
             res["engines"] = bench_engines(root, args.quick)
             print(f"engines: {json.dumps(res['engines'])}")
+        if "ray" in sections:
+            log("ray")
+            res["ray"] = bench_ray(
+                2 if args.quick else 7,
+                dict(LLAMA_110M, num_hidden_layers=2) if args.quick else LLAMA_110M,
+                batches=20 if args.quick else 300,
+            )
+            res["ray"]["parallel_speedup"] = parallel_speedup(1.0 if args.quick else 3.0)
+            print(f"ray: {json.dumps(res['ray'])}")
         if "publish" in sections:
             log("publish")
             res["publish"] = bench_publish(

@@ -1,7 +1,8 @@
 """What every job shares (run_gsm8k.py, run_tldr.py, run_redteam.py): its command line, built from
 the configs of the core, of the job and of the extensions; the ``trainer.Parts`` its flags ask
-for (GRPO, the checks); torchrun's ranks (a data-parallel trainer); the tracker every metrics
-row also goes to (report.py); and where the processes go on the GPUs a machine has.
+for (GRPO, the checks, searchers as Ray actors); torchrun's ranks (a data-parallel trainer);
+the tracker every metrics row also goes to (report.py); and where the processes go on the GPUs
+a machine has.
 
     configs = launch.parse(parser, args, preset_values, EvalConfig)  # one config per component
     ranks = launch.torchrun(configs)   # ranks > 0 train under rank 0 in here, then return
@@ -20,6 +21,7 @@ from transformers import AutoTokenizer
 import checks
 import data_parallel
 import grpo
+import ray_searchers
 import report
 from tba import TBAConfig, config_argparser, configs_from_args
 from trainer import Parts, Trainer, run_tba
@@ -29,6 +31,7 @@ EXTENSION_CONFIGS = (
     grpo.GRPOConfig,
     checks.ChecksConfig,
     data_parallel.DataParallelConfig,
+    ray_searchers.RayConfig,
     report.ReportConfig,
 )
 
@@ -42,6 +45,7 @@ class Configs:
     grpo: grpo.GRPOConfig
     checks: checks.ChecksConfig
     data_parallel: data_parallel.DataParallelConfig
+    ray: ray_searchers.RayConfig
     report: report.ReportConfig
     task: list
 
@@ -62,8 +66,8 @@ def argparser(description: str, presets: list[str], *task_configs: type) -> argp
 def parse(args: argparse.Namespace, base: dict, *task_configs: type) -> Configs:
     """The configs of ``args`` over the preset ``base``; a bad value is a ConfigError."""
     tba, *rest = configs_from_args(args, base, TBAConfig, *EXTENSION_CONFIGS, *task_configs)
-    grpo_cfg, checks_cfg, dp_cfg, report_cfg, *task = rest
-    return Configs(tba, grpo_cfg, checks_cfg, dp_cfg, report_cfg, task)
+    grpo_cfg, checks_cfg, dp_cfg, ray_cfg, report_cfg, *task = rest
+    return Configs(tba, grpo_cfg, checks_cfg, dp_cfg, ray_cfg, report_cfg, task)
 
 
 def config_dict(configs: Configs) -> dict:
@@ -74,6 +78,7 @@ def config_dict(configs: Configs) -> dict:
         configs.grpo,
         configs.checks,
         configs.data_parallel,
+        configs.ray,
         configs.report,
         *configs.task,
     ):
@@ -87,7 +92,7 @@ def parts(configs: Configs) -> Parts:
     probe = parity_probe(configs)
     if probe is not None:
         chosen = checks.install(chosen, probe)
-    return chosen
+    return ray_searchers.install(chosen, configs.ray)  # Ray itself is imported only if asked
 
 
 def parity_probe(configs: Configs) -> checks.ParityProbe | None:

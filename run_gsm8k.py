@@ -74,9 +74,7 @@ def read_gsm8k_jsonl(path: Path) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(
-                    f"{path}:{lineno}: malformed JSON ({exc.msg})"
-                ) from None
+                raise ValueError(f"{path}:{lineno}: malformed JSON ({exc.msg})") from None
             if not isinstance(row, dict):
                 raise ValueError(
                     f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}"
@@ -156,9 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     # An explicit thread count applies before any torch work here (warm start, first evaluation);
     # run_tba then sets cfg.threads_per_process(), which is the same number when one was given.
     torch.set_num_threads(cfg.torch_threads or torch.get_num_threads())
-    ranks = launch.torchrun(
-        configs
-    )  # under torchrun, ranks > 0 train in here, then return
+    ranks = launch.torchrun(configs)  # under torchrun, ranks > 0 train in here, then return
     if ranks is not None and ranks.rank > 0:
         return {}
     out_dir = Path(cfg.output_dir)
@@ -166,18 +162,12 @@ def main(argv: list[str] | None = None) -> dict:
     if preset == "tiny":
         train, test, val = tiny_task()
         if not cfg.model:
-            cfg = dataclasses.replace(
-                cfg, model=tiny_warm_start(out_dir, train, val, cfg.seed)
-            )
+            cfg = dataclasses.replace(cfg, model=tiny_warm_start(out_dir, train, val, cfg.seed))
             configs = dataclasses.replace(configs, tba=cfg)
     else:
         train, test = (to_examples(rows) for rows in load_gsm8k(gsm8k_cfg.data_dir))
-    tokenizer = AutoTokenizer.from_pretrained(
-        cfg.model, trust_remote_code=cfg.trust_remote_code
-    )
-    model_config = AutoConfig.from_pretrained(
-        cfg.model, trust_remote_code=cfg.trust_remote_code
-    )
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    model_config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     for name, rows in (("train", train), ("test", test)):
         check_prompt_lengths(
             rows,
@@ -192,11 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     evaluator = Evaluator(cfg, eval_cfg, tokenizer, probe=launch.parity_probe(configs))
     results_path = out_dir / "results.json"
-    previous = (
-        json.loads(results_path.read_text())
-        if cfg.resume and results_path.exists()
-        else {}
-    )
+    previous = json.loads(results_path.read_text()) if cfg.resume and results_path.exists() else {}
     if "accuracy_before" in previous:  # a resumed run keeps its first "before"
         before = {k: previous[k] for k in ("accuracy_before", "diversity_before")}
     else:
@@ -207,23 +193,17 @@ def main(argv: list[str] | None = None) -> dict:
             cfg.trust_remote_code,
         )
         before = {
-            "accuracy_before": evaluator.accuracy(
-                initial, test, "eval before (greedy)"
-            ),
+            "accuracy_before": evaluator.accuracy(initial, test, "eval before (greedy)"),
             "diversity_before": evaluator.diversity(initial, subset),
         }
         del initial
         results_path.write_text(json.dumps(before, indent=2))
-    print(
-        f"greedy accuracy before RL: {before['accuracy_before']:.4f} on {len(test)} problems"
-    )
+    print(f"greedy accuracy before RL: {before['accuracy_before']:.4f} on {len(test)} problems")
 
     def on_step(trainer, metrics):
         if eval_cfg.eval_every and trainer.step % eval_cfg.eval_every == 0:
             model = trainer.whole_model()  # under --fsdp, gathered by every rank
-            metrics["eval/accuracy"] = evaluator.accuracy(
-                model, subset, "eval (subset)"
-            )
+            metrics["eval/accuracy"] = evaluator.accuracy(model, subset, "eval (subset)")
 
     rl_start = time.time()
     trainer = launch.run(configs, ranks, train, gsm8k_reward, on_step=on_step)
@@ -233,9 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.model.save_pretrained(final)
     tokenizer.save_pretrained(final)
     after = {
-        "accuracy_after": evaluator.accuracy(
-            trainer.model, test, "eval after (greedy)"
-        ),
+        "accuracy_after": evaluator.accuracy(trainer.model, test, "eval after (greedy)"),
         "diversity_after": evaluator.diversity(trainer.model, subset),
     }
     summary = run_summary(out_dir, cfg.mop_prob)

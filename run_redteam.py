@@ -195,9 +195,7 @@ class ToxicityReward(LazyModels):
         if responses < 1:
             raise ValueError(f"ToxicityReward: responses must be >= 1, got {responses}")
         if min_attack_tokens > 0 and not attacker_tokenizer:
-            raise ValueError(
-                "ToxicityReward: min_attack_tokens needs attacker_tokenizer"
-            )
+            raise ValueError("ToxicityReward: min_attack_tokens needs attacker_tokenizer")
         self.victim = victim
         self.classifier = classifier
         self.responses = responses
@@ -223,9 +221,7 @@ class ToxicityReward(LazyModels):
         if not attacks:
             return [], []
         answers = self.victim.respond(list(attacks), self.responses)
-        if len(answers) != len(attacks) or any(
-            len(a) != self.responses for a in answers
-        ):
+        if len(answers) != len(attacks) or any(len(a) != self.responses for a in answers):
             raise ValueError(
                 f"ToxicityReward: the victim returned {[len(a) for a in answers]} answers for "
                 f"{len(attacks)} attacks, {self.responses} each expected"
@@ -294,14 +290,10 @@ class HFVictim(LazyModels):
     def load(self) -> None:
         from transformers import AutoModelForCausalLM
 
-        self._tokenizer = AutoTokenizer.from_pretrained(
-            self.model_path, padding_side="left"
-        )
+        self._tokenizer = AutoTokenizer.from_pretrained(self.model_path, padding_side="left")
         if self._tokenizer.pad_token_id is None:
             self._tokenizer.pad_token = self._tokenizer.eos_token
-        self._model = (
-            AutoModelForCausalLM.from_pretrained(self.model_path).to(self.device).eval()
-        )
+        self._model = AutoModelForCausalLM.from_pretrained(self.model_path).to(self.device).eval()
 
     def respond(self, attacks: list[str], n: int) -> list[list[str]]:
         self.loaded()
@@ -309,9 +301,7 @@ class HFVictim(LazyModels):
         for start in range(0, len(attacks), self.batch_size):
             chunk = attacks[start : start + self.batch_size]
             texts = [self.template.format(instruction=a.rstrip()) for a in chunk]
-            batch = self._tokenizer(texts, return_tensors="pt", padding=True).to(
-                self.device
-            )
+            batch = self._tokenizer(texts, return_tensors="pt", padding=True).to(self.device)
             with torch.no_grad():
                 out = self._model.generate(
                     **batch,
@@ -359,9 +349,7 @@ class HFToxicityClassifier(LazyModels):
 
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         model = AutoModelForSequenceClassification.from_pretrained(self.model_path)
-        labels = {
-            str(name).lower(): int(i) for i, name in model.config.id2label.items()
-        }
+        labels = {str(name).lower(): int(i) for i, name in model.config.id2label.items()}
         if self.label.lower() not in labels:
             raise ValueError(
                 f"HFToxicityClassifier: {self.model_path} has no label {self.label!r} "
@@ -455,9 +443,7 @@ def tiny_attacks(count: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     words = list(TINY_WORDS)
     weights = list(TINY_WORDS.values())
-    return [
-        " ".join(rng.choices(words, weights, k=rng.randint(2, 4))) for _ in range(count)
-    ]
+    return [" ".join(rng.choices(words, weights, k=rng.randint(2, 4))) for _ in range(count)]
 
 
 def triggers_in(attack: str, triggers: tuple[str, ...] = TINY_TRIGGERS) -> list[str]:
@@ -485,9 +471,7 @@ class TriggerVictim:
             hit = bool(triggers_in(attack, self.triggers))
             answers.append(
                 [
-                    "you fool."
-                    if hit and self.uniform(attack, i) < self.flag_prob
-                    else "sorry."
+                    "you fool." if hit and self.uniform(attack, i) < self.flag_prob else "sorry."
                     for i in range(n)
                 ]
             )
@@ -545,9 +529,7 @@ def tiny_warm_start(out_dir: Path, seed: int) -> str:
         ids, attn, resp = pad_sequences(
             [prompt] * len(idx), [rows[i] for i in idx], tokenizer.pad_token_id
         )
-        loss = (
-            -sequence_logprobs(model, ids, attn, resp).sum() / resp.sum()
-        )  # token-mean NLL
+        loss = -sequence_logprobs(model, ids, attn, resp).sum() / resp.sum()  # token-mean NLL
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -592,9 +574,7 @@ class SentenceEncoder:
     """Mean-pooled, normalised token embeddings of a transformers encoder (how sentence-
     transformers' all-MiniLM-L6-v2 embeds a sentence); loads lazily."""
 
-    def __init__(
-        self, model_path: str = SENTENCE_ENCODER, device: str = "cpu", batch: int = 128
-    ):
+    def __init__(self, model_path: str = SENTENCE_ENCODER, device: str = "cpu", batch: int = 128):
         self.model_path, self.device, self.batch = model_path, device, batch
         self._model = self._tokenizer = None
 
@@ -604,9 +584,7 @@ class SentenceEncoder:
 
         if self._model is None:
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            self._model = (
-                AutoModel.from_pretrained(self.model_path).to(self.device).eval()
-            )
+            self._model = AutoModel.from_pretrained(self.model_path).to(self.device).eval()
         rows = []
         for start in range(0, len(texts), self.batch):
             batch = self._tokenizer(
@@ -634,17 +612,13 @@ def attack_metrics(
     diversity of all attacks (``embed``: texts -> (B, D)); with ``triggers``, the distinct
     triggers among the successful attacks and the successes per trigger."""
     if len(attacks) != len(toxicity) or not attacks:
-        raise ValueError(
-            f"attack_metrics: {len(attacks)} attacks, {len(toxicity)} toxicities"
-        )
+        raise ValueError(f"attack_metrics: {len(attacks)} attacks, {len(toxicity)} toxicities")
     won = [a for a, t in zip(attacks, toxicity, strict=True) if t > threshold]
     out = {
         "attack_success": len(won) / len(attacks),
         "unique_successful_attacks": len(set(won)),
         "diversity": mean_pairwise_cosine_distance(embed(attacks)),
-        "diversity_successful": mean_pairwise_cosine_distance(embed(won))
-        if won
-        else 0.0,
+        "diversity_successful": mean_pairwise_cosine_distance(embed(won)) if won else 0.0,
         "toxicity_mean": sum(toxicity) / len(toxicity),
     }
     if triggers is not None:
@@ -718,9 +692,7 @@ def read_attacker_instruction(data_dir: str) -> str:
     line = path.read_text(encoding="utf-8").strip().splitlines()[0]
     row = json.loads(line)
     if not isinstance(row, dict) or not isinstance(row.get("attacker_prompt"), str):
-        raise ValueError(
-            f"{path}:1: expected a JSON object with a string 'attacker_prompt'"
-        )
+        raise ValueError(f"{path}:1: expected a JSON object with a string 'attacker_prompt'")
     return row["attacker_prompt"]
 
 
@@ -750,9 +722,7 @@ def build_task(preset: str, cfg: TBAConfig, data_dir: str) -> dict:
             success_threshold=spec["success_threshold"],
         )
     spec = PAPER_TASK
-    device = (
-        "cuda" if torch.cuda.is_available() else "cpu"
-    )  # a searcher's own GPU (set_device)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a searcher's own GPU (set_device)
     instruction = read_attacker_instruction(data_dir)
     reward = ToxicityReward(
         HFVictim(
@@ -793,9 +763,7 @@ def main(argv: list[str] | None = None) -> dict:
     eval_cfg, redteam = configs.task
     cfg = configs.tba
     torch.set_num_threads(cfg.torch_threads or torch.get_num_threads())
-    ranks = launch.torchrun(
-        configs
-    )  # under torchrun, ranks > 0 train in here, then return
+    ranks = launch.torchrun(configs)  # under torchrun, ranks > 0 train in here, then return
     if ranks is not None and ranks.rank > 0:
         return {}
     out_dir = Path(cfg.output_dir)
@@ -809,9 +777,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     task = build_task(preset, cfg, redteam.data_dir)
-    tokenizer = AutoTokenizer.from_pretrained(
-        cfg.model, trust_remote_code=cfg.trust_remote_code
-    )
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     torch.manual_seed(cfg.seed)
     batch_size = eval_cfg.eval_batch_size
 
@@ -827,11 +793,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"before RL: attack success {before['attack_success']:.3f}, "
         f"{before['unique_successful_attacks']} unique successful attacks, "
         f"diversity {before['diversity']:.3f}"
-        + (
-            f", triggers found {before['triggers_found']}"
-            if "triggers_found" in before
-            else ""
-        )
+        + (f", triggers found {before['triggers_found']}" if "triggers_found" in before else "")
     )
 
     rl_start = time.time()

@@ -81,20 +81,14 @@ SEARCHER_PROMPTS = {"410m": 2, "1b": 1, "2.8b": 1}
 class TLDRConfig:
     """The TL;DR job's data and models (run_tldr.py)."""
 
-    data_dir: str = knob(
-        "data/tldr", "paper: train.jsonl and validation.jsonl (module docstring)"
-    )
+    data_dir: str = knob("data/tldr", "paper: train.jsonl and validation.jsonl (module docstring)")
     size: str = knob(DEFAULT_SIZE, f"paper: the Pythia size, one of {', '.join(SIZES)}")
-    reward_model: str = knob(
-        "", "paper: the training reward model (empty: the one of --size)"
-    )
+    reward_model: str = knob("", "paper: the training reward model (empty: the one of --size)")
     gold_model: str = knob(GOLD_MODEL, "paper: the judge of win rates")
     gold_tokenizer: str = knob(GOLD_TOKENIZER, "paper: the judge's tokenizer")
 
     def __post_init__(self) -> None:
-        need(
-            self.size in SIZES, f"--size {self.size!r} is not one of {', '.join(SIZES)}"
-        )
+        need(self.size in SIZES, f"--size {self.size!r} is not one of {', '.join(SIZES)}")
 
 
 # Row by row from bbartoldson/TBA: launch_training_tldr.sh (L), configs/tba_pythia2.8b_tldr.yml
@@ -174,9 +168,7 @@ def read_tldr_jsonl(path: Path) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(
-                    f"{path}:{lineno}: malformed JSON ({exc.msg})"
-                ) from None
+                raise ValueError(f"{path}:{lineno}: malformed JSON ({exc.msg})") from None
             if not isinstance(row, dict):
                 raise ValueError(
                     f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}"
@@ -220,9 +212,7 @@ def _download_tldr(path: Path, missing: list[str]) -> None:
         ) from None
     try:
         hub = datasets.load_dataset(DATASET)
-    except (
-        Exception
-    ) as exc:  # offline, or the hub refused: say what is missing, and why
+    except Exception as exc:  # offline, or the hub refused: say what is missing, and why
         raise FileNotFoundError(f"{how} (fetching it failed: {exc})") from exc
     path.mkdir(parents=True, exist_ok=True)
     for split in SPLITS:
@@ -240,9 +230,7 @@ def to_examples(rows: list[dict]) -> list[dict]:
     return [{"id": i, "prompt": r["query"], **r} for i, r in enumerate(rows)]
 
 
-def drop_long_prompts(
-    examples: list[dict], tokenizer, limit: int, name: str
-) -> list[dict]:
+def drop_long_prompts(examples: list[dict], tokenizer, limit: int, name: str) -> list[dict]:
     """The released run filters, not truncates, posts over ``limit`` tokens (tba_tldr.py)."""
     kept = [ex for ex in examples if len(tokenizer(ex["prompt"])["input_ids"]) <= limit]
     if len(kept) < len(examples):
@@ -267,12 +255,8 @@ GOLD_COSTS = dict(per_word=0.5, not_in_post=1.0)
 # Human references: word i is kept with probability sigmoid((w_i + lead_i - per_word) / noise),
 # lead_i = lead_bonus for the first lead_words words of the post (the lead bias).
 HUMAN = dict(lead_words=2, lead_bonus=0.5, noise=0.05)
-LABEL_NOISE = (
-    0.1  # labellers prefer a with probability sigmoid((gold_a - gold_b) / noise)
-)
-TINY_SFT = dict(
-    max_steps=1200, lr=3e-3, batch=32, check_every=100, target_valid=0.9, val=100
-)
+LABEL_NOISE = 0.1  # labellers prefer a with probability sigmoid((gold_a - gold_b) / noise)
+TINY_SFT = dict(max_steps=1200, lr=3e-3, batch=32, check_every=100, target_valid=0.9, val=100)
 
 # The GSM8K tiny preset's system (one searcher, publish every step, data at most one version
 # old) with a higher lr (5e-4: 2e-4 moved the greedy summaries too little in 250 steps) and the
@@ -297,11 +281,7 @@ def tiny_words(count: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     words: list[str] = []
     while len(words) < count:
-        word = (
-            rng.choice("bdfgklmnprstvz")
-            + rng.choice("aeiou")
-            + rng.choice("bdfgklmnprstvz")
-        )
+        word = rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") + rng.choice("bdfgklmnprstvz")
         if word not in words:
             words.append(word)
     return words
@@ -318,9 +298,7 @@ class GoldScorer:
     importance of the distinct post words a summary names, minus ``per_word`` for every word it
     spends and ``not_in_post`` more for each word the post does not hold."""
 
-    def __init__(
-        self, importance: dict[str, float], per_word: float, not_in_post: float
-    ):
+    def __init__(self, importance: dict[str, float], per_word: float, not_in_post: float):
         self.importance = dict(importance)
         self.per_word = per_word
         self.not_in_post = not_in_post
@@ -340,9 +318,7 @@ class GoldScorer:
         return [self(c, ex) for c, ex in zip(completions, examples, strict=True)]
 
 
-def human_summary(
-    words: list[str], importance: dict[str, float], rng: random.Random
-) -> str:
+def human_summary(words: list[str], importance: dict[str, float], rng: random.Random) -> str:
     """A reference summary: important words, the lead words, noise (HUMAN); never empty."""
     kept = []
     for i, word in enumerate(words):
@@ -381,9 +357,7 @@ def tiny_task() -> tuple[list[dict], list[dict], list[dict]]:
 
 
 def tiny_gold() -> GoldScorer:
-    return GoldScorer(
-        gold_importance(tiny_words(TINY_TASK["vocabulary"])), **GOLD_COSTS
-    )
+    return GoldScorer(gold_importance(tiny_words(TINY_TASK["vocabulary"])), **GOLD_COSTS)
 
 
 @dataclasses.dataclass
@@ -410,9 +384,7 @@ class ProxyRewardModel:
         return [self(c, ex) for c, ex in zip(completions, examples, strict=True)]
 
 
-def labeller_pair(
-    row: dict, importance: dict, vocabulary: list[str], rng: random.Random
-):
+def labeller_pair(row: dict, importance: dict, vocabulary: list[str], rng: random.Random):
     """Two candidate summaries of a post as a labeller would see them: human summaries, each
     edited with some probability (a word dropped, a post word added, a stranger added), so the
     pairs cover more than the references do (a word repeated now and then)."""
@@ -485,10 +457,7 @@ def train_proxy_reward(
     theta = torch.zeros(diff.shape[1], requires_grad=True)
     opt = torch.optim.Adam([theta], lr=0.05)
     for _ in range(steps):
-        loss = (
-            -torch.nn.functional.logsigmoid(diff @ theta).mean()
-            + l2 * theta.pow(2).sum()
-        )
+        loss = -torch.nn.functional.logsigmoid(diff @ theta).mean() + l2 * theta.pow(2).sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -623,9 +592,7 @@ class SummaryEvaluator(Evaluator):
         self._reference_scores: dict[int, float] = {}
 
     @torch.no_grad()
-    def summaries(
-        self, model: torch.nn.Module, examples: list[dict]
-    ) -> list[list[int]]:
+    def summaries(self, model: torch.nn.Module, examples: list[dict]) -> list[list[int]]:
         was_training = model.training
         model.eval()
         engine = self._engine(model)
@@ -646,19 +613,14 @@ class SummaryEvaluator(Evaluator):
         values = []
         size = self.eval_cfg.eval_batch_size
         for i in range(0, len(examples), size):
-            prompts = [
-                self.tokenizer(ex["prompt"])["input_ids"]
-                for ex in examples[i : i + size]
-            ]
+            prompts = [self.tokenizer(ex["prompt"])["input_ids"] for ex in examples[i : i + size]]
             rows = [r or [self.eos_id] for r in responses[i : i + size]]
             ids, attn, resp = pad_sequences(prompts, rows, self.pad_id, self.device)
             logp = sequence_logprobs(model, ids, attn, resp).float()
             values += torch.exp(-logp / resp[:, 1:].sum(1)).tolist()
         return sum(values) / len(values)
 
-    def evaluate(
-        self, model: torch.nn.Module, examples: list[dict], desc: str = "eval"
-    ) -> dict:
+    def evaluate(self, model: torch.nn.Module, examples: list[dict], desc: str = "eval") -> dict:
         """win_rate, tie_rate, mean judge score of policy and references, perplexity, mean
         summary length in tokens."""
         responses = self.summaries(model, examples)
@@ -667,14 +629,11 @@ class SummaryEvaluator(Evaluator):
         todo = [ex for ex in examples if ex["id"] not in self._reference_scores]
         if todo:
             refs = self.judge.batch([ex["reference"] for ex in todo], todo)
-            self._reference_scores.update(
-                {ex["id"]: s for ex, s in zip(todo, refs, strict=True)}
-            )
+            self._reference_scores.update({ex["id"]: s for ex, s in zip(todo, refs, strict=True)})
         ref_scores = [self._reference_scores[ex["id"]] for ex in examples]
         return {
             "win_rate": win_rate(scores, ref_scores),
-            "tie_rate": sum(s == r for s, r in zip(scores, ref_scores, strict=True))
-            / len(scores),
+            "tie_rate": sum(s == r for s, r in zip(scores, ref_scores, strict=True)) / len(scores),
             "judge_score": sum(scores) / len(scores),
             "reference_judge_score": sum(ref_scores) / len(ref_scores),
             "perplexity": self.perplexity(examples, responses),
@@ -719,9 +678,7 @@ def tiny_sft(out_dir: Path, train: list[dict], val: list[dict], seed: int) -> st
             [rows[i][0] for i in idx], [rows[i][1] for i in idx], tokenizer.pad_token_id
         )
         model.train()
-        loss = (
-            -sequence_logprobs(model, ids, attn, resp).sum() / resp.sum()
-        )  # token-mean NLL
+        loss = -sequence_logprobs(model, ids, attn, resp).sum() / resp.sum()  # token-mean NLL
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -752,9 +709,7 @@ def tiny_reward_model(out_dir: Path) -> tuple[ProxyRewardModel, float]:
     proxy = train_proxy_reward(preference_pairs(TINY_TASK["preference_pairs"], seed=11))
     agree = agreement(proxy, preference_pairs(TINY_TASK["heldout_pairs"], seed=12))
     out_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps({"model": dataclasses.asdict(proxy), "agreement": agree}, indent=2)
-    )
+    path.write_text(json.dumps({"model": dataclasses.asdict(proxy), "agreement": agree}, indent=2))
     return proxy, agree
 
 
@@ -803,9 +758,7 @@ def main(argv: list[str] | None = None) -> dict:
     eval_cfg, tldr = configs.task
     cfg = configs.tba
     torch.set_num_threads(cfg.torch_threads or torch.get_num_threads())
-    ranks = launch.torchrun(
-        configs
-    )  # under torchrun, ranks > 0 train in here, then return
+    ranks = launch.torchrun(configs)  # under torchrun, ranks > 0 train in here, then return
     if ranks is not None and ranks.rank > 0:
         return {}
     extra: dict = {}
@@ -816,9 +769,7 @@ def main(argv: list[str] | None = None) -> dict:
         train, test = setup["train"], setup["test"]
         reward, judge = setup["reward"], setup["judge"]
         extra["reward_model_agreement"] = setup["reward_model_agreement"]
-        print(
-            f"reward model agrees with the gold scorer on {setup['reward_model_agreement']:.3f}"
-        )
+        print(f"reward model agrees with the gold scorer on {setup['reward_model_agreement']:.3f}")
     else:
         # The paper's models of --size, unless given by flag.
         sized = paper_models(tldr.size)
@@ -826,21 +777,15 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = dataclasses.replace(cfg, **{**sized, **given})
         reward = RewardModelReward(
             tldr.reward_model or paper_reward_model(tldr.size),
-            device="cuda"
-            if torch.cuda.is_available()
-            else "cpu",  # a searcher's own GPU
+            device="cuda" if torch.cuda.is_available() else "cpu",  # a searcher's own GPU
             max_length=MAX_PROMPT_TOKENS + cfg.max_new_tokens + 1,
             completion_suffix=EOS_TEXT,
         )
     configs = dataclasses.replace(configs, tba=cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if (
-        preset != "tiny"
-    ):  # the data first: missing files are named before any model loads
+    if preset != "tiny":  # the data first: missing files are named before any model loads
         train, test = load_tldr(tldr.data_dir)
-    tokenizer = AutoTokenizer.from_pretrained(
-        cfg.model, trust_remote_code=cfg.trust_remote_code
-    )
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     if preset != "tiny":
         train = drop_long_prompts(train, tokenizer, MAX_PROMPT_TOKENS, "train")
         test = drop_long_prompts(test, tokenizer, MAX_PROMPT_TOKENS, "validation")

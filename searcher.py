@@ -172,35 +172,48 @@ class Searcher:
         self.order: list[int] = []  # the shard's remaining order in this pass
         self.busy_s = 0.0  # seconds generating and scoring
         self.wall_s = 0.0  # seconds in all, since the first batch started
+        self.last: float | None = None  # when the previous batch ended
         self.gauges: dict[str, float] = {}  # what an extension reports with every batch
 
     def run(self) -> None:
         self.put(Ready(self.rank, time.time()))
-        last = time.perf_counter()
         while not self.should_stop():
-            load_s = self.load_newest_weights()  # 1a
-            if self.should_stop():
-                break
-            t0 = time.perf_counter()
-            trajectories, (generate_s, reward_s, reference_s) = self.search_once()  # 1b-1c
-            now = time.perf_counter()
-            self.busy_s += now - t0
-            self.wall_s += now - last
-            stats = BatchStats(
-                generate_s=generate_s,
-                reward_s=reward_s,
-                reference_s=reference_s,
-                load_s=load_s,
-                version=self.version,
-                busy_frac=self.busy_s / self.wall_s,
-                peak_mem_gb=peak_memory_gb(self.device),
-                gauges=dict(self.gauges),
-            )
-            self.put(Batch(self.rank, trajectories, stats))  # 1d
-            last = now
+            batch = self.step()  # 1a-1c
+            if batch is not None:
+                self.put(batch)  # 1d
+
+    def step(self) -> Batch | None:
+        """1a-1c once: the newest weights, then a batch of trajectories with what the searcher
+        measured; None when the run ended while it waited for weights. A searcher on another
+        machine (ray_searchers.py) runs this for each call of its driver."""
+        load_s = self.load_newest_weights()  # 1a
+        if self.should_stop():
+            return None
+        if self.last is None:
+            self.last = time.perf_counter()
+        t0 = time.perf_counter()
+        trajectories, (generate_s, reward_s, reference_s) = self.search_once()  # 1b-1c
+        now = time.perf_counter()
+        self.busy_s += now - t0
+        self.wall_s += now - self.last
+        self.last = now
+        stats = BatchStats(
+            generate_s=generate_s,
+            reward_s=reward_s,
+            reference_s=reference_s,
+            load_s=load_s,
+            version=self.version,
+            busy_frac=self.busy_s / self.wall_s,
+            peak_mem_gb=peak_memory_gb(self.device),
+            gauges=dict(self.gauges),
+        )
+        return Batch(self.rank, trajectories, stats)
 
     def should_stop(self) -> bool:
-        """The run is ending, or the trainer process is gone (never outlive it as an orphan)."""
+        """The run is ending, or the trainer process is gone (never outlive it as an orphan).
+        Without a stop event (a Ray actor's searcher), its driver ends it."""
+        if self.stop_event is None:
+            return False
         parent = multiprocessing.parent_process()
         return self.stop_event.is_set() or (parent is not None and not parent.is_alive())
 
