@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -67,7 +68,7 @@ from buffer import Trajectory
 from evaluate import Evaluator, to_examples
 from rewards import gsm8k_reward
 from searcher import HFEngine, Searcher, SearcherSetup, VLLMEngine
-from tba import TBAConfig, WeightStore, pad_token_id
+from tba import ConfigError, TBAConfig, WeightStore, pad_token_id, run_cli
 from tiny import (
     TINY_PRESET,
     cpu_config,
@@ -78,6 +79,17 @@ from tiny import (
     tiny_warm_start,
 )
 from trainer import Parts, Trainer, run_tba
+
+SECTIONS = (
+    "time_to_accuracy",
+    "staleness",
+    "engines",
+    "publish",
+    "intake",
+    "data_parallel",
+    "ray",
+    "tldr_staleness",
+)
 
 THRESHOLDS = (0.85, 0.90, 0.95)
 WINDOW_S = 30  # accuracy averaged over windows of this many seconds
@@ -1141,7 +1153,7 @@ def print_tldr_staleness(stale: dict) -> None:
         )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -1183,14 +1195,26 @@ def main() -> None:
         metavar="FIELD=VALUE",
         help="TBAConfig overrides of the tiny preset for every run",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     start = time.monotonic()
     sections = args.sections.split(",")
     overrides = {}
+    known = {f.name: f.default for f in dataclasses.fields(TBAConfig)}
     for item in args.set:
-        name, value = item.split("=", 1)
-        default = getattr(TBAConfig(), name)
-        overrides[name] = value == "True" if isinstance(default, bool) else type(default)(value)
+        name, _, value = item.partition("=")
+        if name not in known or not value:
+            raise ConfigError(f"--set {item}: expected FIELD=VALUE with FIELD a TBAConfig field")
+        default = known[name]
+        if isinstance(default, bool):
+            overrides[name] = value == "True"
+            continue
+        try:
+            overrides[name] = type(default)(value)
+        except ValueError as err:
+            raise ConfigError(f"--set {item}: {err}") from None
+    unknown = set(args.sections.split(",")) - set(SECTIONS)
+    if unknown:
+        raise ConfigError(f"--sections: unknown {sorted(unknown)}; known: {', '.join(SECTIONS)}")
     seeds, budget = (1, 4.0) if args.quick else (args.seeds, args.budget)
     res: dict = {
         "quick": args.quick,
@@ -1304,4 +1328,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from transformers import AutoTokenizer
 
@@ -23,7 +25,7 @@ import data_parallel
 import grpo
 import ray_searchers
 import report
-from tba import TBAConfig, config_argparser, configs_from_args
+from tba import RunError, TBAConfig, config_argparser, configs_from_args
 from trainer import Parts, Trainer, run_tba
 
 # The extensions every job offers, by the config that switches them on.
@@ -158,6 +160,21 @@ def run(
     finally:
         reporter.close(failed=trainer is None)
     return trainer
+
+
+def tokenizer(cfg: TBAConfig):
+    """The policy's tokenizer: the first load of ``--model`` in a job, so a model that cannot
+    be found is named there, in one line."""
+    if cfg.model.startswith((os.sep, ".", "~")) and not Path(cfg.model).expanduser().is_dir():
+        raise RunError(f"--model {cfg.model!r}: no such directory")
+    try:
+        return AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    except OSError as error:  # transformers' "not a local folder and not a repo on the hub"
+        first = str(error).strip().split("\n")[0]
+        raise RunError(
+            f"--model {cfg.model!r}: no model there ({first}); give a local directory of a "
+            "transformers model, or a hub name on a machine that can reach the hub"
+        ) from None
 
 
 def gpu_placement(gpus: int) -> dict:

@@ -48,6 +48,7 @@ import functools
 import os
 import socket
 import statistics
+import sys
 import threading
 import time
 import uuid
@@ -60,7 +61,7 @@ import torch
 
 from buffer import Trajectory
 from searcher import Batch, Searcher, SearcherSetup, WeightsNotLoaded
-from tba import TBAConfig, knob, need
+from tba import RunError, TBAConfig, knob, need, run_cli
 from trainer import Parts, SearcherFailed
 
 REPO_DIR = Path(__file__).resolve().parent
@@ -116,7 +117,12 @@ def install(parts: Parts, cfg: RayConfig) -> Parts:
     return dataclasses.replace(parts, searchers=functools.partial(RaySearcherPool, ray_cfg=cfg))
 
 
-class RayClusterRefused(ConnectionError):
+class NoRayCluster(RunError, ConnectionError):
+    """Nothing listens at the --ray address (within ``connect``'s wait), or the cluster never
+    offers what the searcher actors ask for."""
+
+
+class RayClusterRefused(RunError, ConnectionError):
     """The Ray cluster is there but refused this process: it runs with token authentication
     (RAY_AUTH_MODE=token) and this process has no token or the wrong one."""
 
@@ -139,7 +145,7 @@ def connect(address: str, *, runtime_env: dict | None = None, wait_s: float = 60
     then raises a bare ``ConnectionError("Failed to connect to Ray cluster at ...")``, the reason
     (``InvalidAuthToken``) only in its log lines; here a GCS that refuses our token is a
     ``RayClusterRefused`` within a second, and an address where nothing listens for ``wait_s``
-    (a cluster may still be starting) a ConnectionError that says so."""
+    (a cluster may still be starting) a NoRayCluster that says so."""
     target = _host_port(address) if address not in ("", "auto") else None
     if target is not None:  # first, before Ray reads its token: the cluster may still be starting
         deadline = time.monotonic() + wait_s
@@ -149,7 +155,7 @@ def connect(address: str, *, runtime_env: dict | None = None, wait_s: float = 60
                 break
             except OSError as exc:
                 if time.monotonic() > deadline:
-                    raise ConnectionError(
+                    raise NoRayCluster(
                         f"no Ray cluster at {address} within {wait_s:g}s: {exc} (is `ray start "
                         "--head` running there?)"
                     ) from None
@@ -441,7 +447,7 @@ class RaySearcherPool:
                 self._seen(rank, info["incarnation"])
                 self.ready.add(rank)
             if refs and time.monotonic() > deadline:
-                raise TimeoutError(
+                raise NoRayCluster(
                     f"searcher actor(s) {sorted(refs.values())} not ready within "
                     f"{self.cfg.timeout_s}s: does the cluster have a node with "
                     f"{self.num_gpus:g} GPU(s) and {self.ray_cfg.ray_cpus_per_searcher:g} "
@@ -667,5 +673,9 @@ if __name__ == "__main__":
     parser.add_argument("--gpus", type=int, default=0, help="GPUs per node")
     parser.add_argument("--port", type=int, default=6390, help="the head's port on 127.0.0.1")
     parser.add_argument("--token_file", default="/tmp/tba_ray_token")
-    args = parser.parse_args()
-    local_cluster(args.workers, args.cpus, args.token_file, args.gpus, args.port)
+
+    def main(argv: list[str]) -> None:
+        args = parser.parse_args(argv)
+        local_cluster(args.workers, args.cpus, args.token_file, args.gpus, args.port)
+
+    sys.exit(run_cli(main))

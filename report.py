@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from tba import config_argparser, configs_from_args, knob, need
+from tba import RunError, config_argparser, configs_from_args, knob, need, run_cli
 
 TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # each but none: its package's name
 METRICS_FILE = "metrics.jsonl"
@@ -63,6 +63,10 @@ class ReportConfig:
         )
 
 
+class MissingPackage(ModuleNotFoundError, RunError):
+    """A package an option needs is not installed: the message is the pip command."""
+
+
 def _import_tracker(tracker: str):
     """The tracker's module, or an error that names the package and the pip command.
 
@@ -73,7 +77,7 @@ def _import_tracker(tracker: str):
     except ModuleNotFoundError as e:
         if e.name != tracker:
             raise
-        raise ModuleNotFoundError(
+        raise MissingPackage(
             f"--report_to {tracker} needs the '{tracker}' package, which is not installed: "
             f"pip install {tracker}  (requirements-test.txt pins the version the tests use)",
             name=tracker,
@@ -244,7 +248,7 @@ def read_rows(run_dir: str | Path) -> list[dict]:
     without its newline) is left out; any other line that is not JSON is an error."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"no {METRICS_FILE} in {run_dir}: is it a run's output_dir?")
+        raise RunError(f"no {METRICS_FILE} in {run_dir}: is it a run's output_dir?")
     text = path.read_text()
     lines = text.split("\n")
     rows = []
@@ -256,9 +260,9 @@ def read_rows(run_dir: str | Path) -> list[dict]:
         except json.JSONDecodeError as e:
             if number == len(lines):  # the last line, and no newline after it: torn
                 break
-            raise ValueError(f"{path}, line {number}: not JSON ({e})") from e
+            raise RunError(f"{path}, line {number}: not JSON ({e})") from e
     if not rows:
-        raise ValueError(f"{path} has no rows: the run wrote no step yet")
+        raise RunError(f"{path} has no rows: the run wrote no step yet")
     return rows
 
 
@@ -439,15 +443,15 @@ def plot_run(run_dir: str | Path) -> Path:
     Panels: reward/mean and the evaluation metric (``eval/accuracy``, else another ``eval/*``)
     against steps, and against training seconds; the loss (``loss/tb``, ``loss/grpo``, else
     another ``loss/*``); the lag distribution; ``throughput/samples_per_s``; a summary. A
-    metric the run did not write leaves its panel saying so. Raises FileNotFoundError without
-    metrics.jsonl and ValueError when it has no rows.
+    metric the run did not write leaves its panel saying so. Raises a RunError without
+    metrics.jsonl or when it has no rows.
     """
     try:
         from matplotlib.figure import Figure
     except ModuleNotFoundError as e:
         if e.name != "matplotlib":
             raise
-        raise ModuleNotFoundError(
+        raise MissingPackage(
             "plot_run needs matplotlib, which is not installed: pip install matplotlib "
             "(requirements.txt has it)",
             name="matplotlib",
@@ -543,6 +547,7 @@ def main(argv: list[str] | None = None) -> None:
         ReportConfig,
     )
     parser.add_argument("run_dir", help="a run's output_dir, where its metrics.jsonl is")
+    parser.usage = "%(prog)s RUN_DIR [--report_to TRACKER] [--run_name NAME] [--project NAME]"
     args = parser.parse_args(argv)
     print(plot_run(args.run_dir))
     (cfg,) = configs_from_args(args, {}, ReportConfig)
@@ -552,4 +557,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main))

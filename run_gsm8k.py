@@ -22,14 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
 import launch
 import report
 from checks import print_summary, run_summary, weights_verdict
 from evaluate import EvalConfig, Evaluator, to_examples
 from rewards import gsm8k_gold, gsm8k_reward
-from tba import knob, load_causal_lm
+from tba import ConfigError, RunError, knob, load_causal_lm, run_cli
 from tiny import TINY_PRESET, tiny_task, tiny_warm_start
 
 REPO = Path(__file__).resolve().parent
@@ -63,9 +63,13 @@ class GSM8KConfig:
 
 
 def read_gsm8k_jsonl(path: Path) -> list[dict]:
-    """OpenAI's GSM8K JSONL; any bad row is a ValueError naming the file and line."""
+    """OpenAI's GSM8K JSONL; a missing file or a bad row is a RunError naming the file and
+    line."""
     if not path.is_file():
-        raise FileNotFoundError(f"GSM8K file not found: {path}")
+        raise RunError(
+            f"GSM8K file not found: {path} (--data_dir names a directory holding train.jsonl "
+            "and test.jsonl, OpenAI's GSM8K JSONL)"
+        )
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -74,21 +78,19 @@ def read_gsm8k_jsonl(path: Path) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({exc.msg})") from None
+                raise RunError(f"{path}:{lineno}: malformed JSON ({exc.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(
-                    f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}"
-                )
+                raise RunError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             for key in ("question", "answer"):
                 if not isinstance(row.get(key), str) or not row[key].strip():
-                    raise ValueError(f"{path}:{lineno}: missing or empty field {key!r}")
+                    raise RunError(f"{path}:{lineno}: missing or empty field {key!r}")
             try:
                 gsm8k_gold(row)
             except ValueError as exc:
-                raise ValueError(f"{path}:{lineno}: {exc}") from None
+                raise RunError(f"{path}:{lineno}: {exc}") from None
             rows.append(row)
     if not rows:
-        raise ValueError(f"{path}: no examples")
+        raise RunError(f"{path}: no examples")
     return rows
 
 
@@ -114,8 +116,8 @@ def check_prompt_lengths(
     for ex in examples:
         n = len(tokenizer(ex["prompt"])["input_ids"])
         if n + max_new_tokens > max_positions:
-            raise ValueError(
-                f"{name} example {ex['id']}: prompt of {n} tokens + max_new_tokens "
+            raise RunError(
+                f"{name} example {ex['id']}: prompt of {n} tokens + --max_new_tokens "
                 f"{max_new_tokens} exceeds the model context of {max_positions}"
             )
 
@@ -147,6 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     args = parser.parse_args(argv)
     preset, base = choose_preset(args.preset)
+    if preset == "tiny" and args.data_dir is not None:
+        raise ConfigError("--data_dir: the tiny preset makes its own task; GSM8K is --preset paper")
     wall_start = time.time()
     configs = launch.parse(args, base, EvalConfig, GSM8KConfig)
     cfg = configs.tba
@@ -166,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
             configs = dataclasses.replace(configs, tba=cfg)
     else:
         train, test = (to_examples(rows) for rows in load_gsm8k(gsm8k_cfg.data_dir))
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = launch.tokenizer(cfg)
     model_config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     for name, rows in (("train", train), ("test", test)):
         check_prompt_lengths(
@@ -243,4 +247,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_cli(main))

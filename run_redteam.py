@@ -93,11 +93,14 @@ from evaluate import EvalConfig
 from rewards import LazyModels
 from searcher import HFEngine
 from tba import (
+    ConfigError,
+    RunError,
     TBAConfig,
     knob,
     load_causal_lm,
     pad_sequences,
     pad_token_id,
+    run_cli,
     sequence_logprobs,
 )
 from tiny import TINY_PRESET as GSM8K_TINY_PRESET
@@ -684,15 +687,18 @@ def read_attacker_instruction(data_dir: str) -> str:
     naming the file and its source when it is missing or malformed."""
     path = Path(data_dir) / "attack_prompt.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(
+        raise RunError(
             f"{path} not found: the paper preset reads the attacker instruction from Lee et "
             "al.'s prompts/attack_prompt.jsonl (GFNOrg/red-teaming); copy it there or pass "
             "--data_dir"
         )
-    line = path.read_text(encoding="utf-8").strip().splitlines()[0]
-    row = json.loads(line)
+    lines = path.read_text(encoding="utf-8").strip().splitlines()
+    try:
+        row = json.loads(lines[0]) if lines else None
+    except json.JSONDecodeError as exc:
+        raise RunError(f"{path}:1: malformed JSON ({exc.msg})") from None
     if not isinstance(row, dict) or not isinstance(row.get("attacker_prompt"), str):
-        raise ValueError(f"{path}:1: expected a JSON object with a string 'attacker_prompt'")
+        raise RunError(f"{path}:1: expected a JSON object with a string 'attacker_prompt'")
     return row["attacker_prompt"]
 
 
@@ -702,7 +708,8 @@ def choose_preset(name: str) -> tuple[str, dict]:
         gpus = torch.cuda.device_count()
         name = "paper" if gpus > 0 else "tiny"
         why = f"{gpus} CUDA GPU(s) found" if gpus else "no CUDA GPU found"
-        print(f"preset: {name} ({why}); choose the other with --preset")
+        other = "tiny" if name == "paper" else "paper"
+        print(f"preset: {name} ({why}); choose the other with --preset {other}")
     if name == "tiny":
         return name, dict(TINY_PRESET)
     return name, dict(PAPER_PRESET, **launch.gpu_placement(torch.cuda.device_count()))
@@ -771,13 +778,13 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = dataclasses.replace(cfg, model=tiny_warm_start(out_dir, seed=cfg.seed))
         configs = dataclasses.replace(configs, tba=cfg)
     elif not cfg.model:
-        raise SystemExit(
+        raise ConfigError(
             "the paper preset needs --model: the attacker GPT-2 after its supervised start "
             "(Lee et al.'s SFT checkpoint, GFNOrg/red-teaming README, 'SFT')"
         )
     out_dir.mkdir(parents=True, exist_ok=True)
     task = build_task(preset, cfg, redteam.data_dir)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = launch.tokenizer(cfg)
     torch.manual_seed(cfg.seed)
     batch_size = eval_cfg.eval_batch_size
 
@@ -833,4 +840,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_cli(main))

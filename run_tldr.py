@@ -53,7 +53,16 @@ import report
 from checks import print_summary, run_summary
 from evaluate import EvalConfig, Evaluator
 from rewards import LazyModels
-from tba import TBAConfig, knob, load_causal_lm, need, pad_sequences, sequence_logprobs
+from tba import (
+    RunError,
+    TBAConfig,
+    knob,
+    load_causal_lm,
+    need,
+    pad_sequences,
+    run_cli,
+    sequence_logprobs,
+)
 from tiny import TINY_MODEL, build_char_tokenizer, build_tiny_model, cpu_config
 from tiny import TINY_PRESET as GSM8K_TINY_PRESET
 
@@ -158,8 +167,8 @@ def paper_reward_model(size: str) -> str:
 
 
 def read_tldr_jsonl(path: Path) -> list[dict]:
-    """TL;DR rows (``query``, ``reference_response``); a bad row is a ValueError naming the
-    file and line. A reference's trailing EOS text is dropped (judges add it back)."""
+    """TL;DR rows (``query``, ``reference_response``); a bad row is a RunError naming the file
+    and line. A reference's trailing EOS text is dropped (judges add it back)."""
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -168,25 +177,23 @@ def read_tldr_jsonl(path: Path) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({exc.msg})") from None
+                raise RunError(f"{path}:{lineno}: malformed JSON ({exc.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(
-                    f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}"
-                )
+                raise RunError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             for key in ("query", "reference_response"):
                 if not isinstance(row.get(key), str) or not row[key].strip():
-                    raise ValueError(f"{path}:{lineno}: missing or empty field {key!r}")
+                    raise RunError(f"{path}:{lineno}: missing or empty field {key!r}")
             reference = row["reference_response"].removesuffix(EOS_TEXT)
             rows.append({"query": row["query"], "reference": reference})
     if not rows:
-        raise ValueError(f"{path}: no examples")
+        raise RunError(f"{path}: no examples")
     return rows
 
 
 def load_tldr(data_dir: str) -> tuple[list[dict], list[dict]]:
     """(train, validation) examples from ``data_dir``/{train,validation}.jsonl; missing files
-    are fetched from the hub with the ``datasets`` package when it is installed, else a
-    FileNotFoundError names them and the dataset."""
+    are fetched from the hub with the ``datasets`` package when it is installed, else a RunError
+    names them and the dataset."""
     path = Path(data_dir)
     if not path.is_absolute() and not path.exists():
         path = REPO / path
@@ -207,13 +214,13 @@ def _download_tldr(path: Path, missing: list[str]) -> None:
     try:
         import datasets
     except ImportError:
-        raise FileNotFoundError(
+        raise RunError(
             f"{how} (the 'datasets' package, which can fetch it, is not installed)"
         ) from None
     try:
         hub = datasets.load_dataset(DATASET)
     except Exception as exc:  # offline, or the hub refused: say what is missing, and why
-        raise FileNotFoundError(f"{how} (fetching it failed: {exc})") from exc
+        raise RunError(f"{how} (fetching it failed: {exc})") from exc
     path.mkdir(parents=True, exist_ok=True)
     for split in SPLITS:
         with open(path / f"{split}.jsonl", "w", encoding="utf-8") as f:
@@ -532,7 +539,7 @@ class RewardModelReward(LazyModels):
         self._tokenizer = None
 
     def load(self) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification
 
         self._tokenizer = AutoTokenizer.from_pretrained(
             self.tokenizer_path or self.model_path,
@@ -785,7 +792,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     if preset != "tiny":  # the data first: missing files are named before any model loads
         train, test = load_tldr(tldr.data_dir)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = launch.tokenizer(cfg)
     if preset != "tiny":
         train = drop_long_prompts(train, tokenizer, MAX_PROMPT_TOKENS, "train")
         test = drop_long_prompts(test, tokenizer, MAX_PROMPT_TOKENS, "validation")
@@ -854,4 +861,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_cli(main))

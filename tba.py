@@ -77,7 +77,10 @@ import dataclasses
 import math
 import os
 import resource
+import signal
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -529,9 +532,15 @@ def knob(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
-class ConfigError(ValueError):
+class RunError(ValueError):
+    """Something the person running a job can fix, not a bug: a file missing or malformed, a
+    checkpoint that is not one, a model that cannot be found. The message names the flag or
+    the file and what to do; the entry scripts print it as one line (``run_cli``)."""
+
+
+class ConfigError(RunError):
     """A configuration value, or a combination of values, that cannot work; the message names
-    the field. The entry scripts print it as a usage error (one line, no traceback)."""
+    the flag. The entry scripts print it as a usage error (one line, exit status 2)."""
 
 
 def need(ok: bool, message: str) -> None:
@@ -778,9 +787,12 @@ def config_argparser(description: str, *configs: type) -> argparse.ArgumentParse
     """``--field value`` for every field of the ``configs`` dataclasses (TBAConfig and those of
     the extensions a job offers); booleans are bare flags (``--synchronous``,
     ``--no-tempered_logprobs``). Defaults are None, so that ``configs_from_args`` can tell an
-    explicit flag from a preset's value."""
+    explicit flag from a preset's value. The usage is one line: every field is a flag, and
+    listing them all would bury the error argparse prints under it."""
     parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        usage="%(prog)s [--FIELD VALUE ...]  (--help lists every field)",
     )
     for config in configs:
         group = parser.add_argument_group(config.__name__, (config.__doc__ or "").split("\n")[0])
@@ -817,3 +829,36 @@ def configs_from_args(args: argparse.Namespace, base: dict, *configs: type) -> l
                 values[f.name] = base[f.name]
         out.append(config(**values))
     return out
+
+
+def run_cli(main: Callable[[list[str]], object], argv: list[str] | None = None) -> int:
+    """Run an entry script's ``main(argv)`` as a person reads its failures: a ConfigError is
+    ``prog: error: ...`` and exit status 2 (argparse's style), any other RunError the same line
+    and exit status 1, Ctrl-C or SIGTERM one line saying where the run stopped and how to go on
+    (exit status 128 + the signal). Any other exception is a bug: its traceback stays. With
+    TBA_DEBUG=1 every failure keeps its traceback. Returns the exit status."""
+    prog = os.path.basename(sys.argv[0])
+    debug = os.environ.get("TBA_DEBUG", "") not in ("", "0")
+
+    def terminate(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, terminate)  # run_tba sets its own while it runs
+    try:
+        main(sys.argv[1:] if argv is None else argv)
+    except RunError as error:
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2 if isinstance(error, ConfigError) else 1
+    except KeyboardInterrupt as stop:
+        if debug:
+            traceback.print_exc()
+        said = str(stop) if str(stop).startswith(("stopped by", "SIG")) else "SIGINT"
+        if not said.startswith("stopped by"):  # outside run_tba: before or after training
+            said = f"stopped by {said} outside training (no checkpoint was written then)"
+        print(f"{prog}: {said}", file=sys.stderr)
+        return 128 + signal.Signals[said.split()[2]].value
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0

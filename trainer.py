@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import json
 import os
+import pickle
 import queue as queue_lib
 import signal
 import statistics
@@ -37,6 +38,7 @@ from transformers import AutoTokenizer
 from buffer import ReplayBuffer, Trajectory
 from searcher import Batch, Failure, Ready, Searcher, SearcherSetup, searcher_main
 from tba import (
+    RunError,
     TBAConfig,
     WeightStore,
     beta_at,
@@ -302,16 +304,39 @@ class Trainer:
         os.replace(tmp, path)
 
     def load(self, path: Path) -> None:
-        """``weights_only=True``: a checkpoint never unpickles arbitrary code."""
-        state = torch.load(path, map_location=self.device, weights_only=True)
-        self.load_state_dict(state["trainer"])
+        """``weights_only=True``: a checkpoint never unpickles arbitrary code. A file that is
+        not a checkpoint of this program, or one of another model, is a RunError naming it."""
+        try:
+            state = torch.load(path, map_location=self.device, weights_only=True)["trainer"]
+        except (pickle.UnpicklingError, RuntimeError, EOFError, KeyError, TypeError) as error:
+            # torch's own words for an unreadable pickle are about its weights_only default,
+            # which would mislead here.
+            why = "torch.load cannot read it" if isinstance(error, pickle.UnpicklingError) else ""
+            raise RunError(
+                f"{path} is not a checkpoint of this program ({why or _first_line(error)}); "
+                "move it away, or run without --resume"
+            ) from None
+        try:
+            self.load_state_dict(state)
+        except (RuntimeError, KeyError, ValueError) as error:
+            raise RunError(
+                f"{path} does not fit this run ({_first_line(error)}): --model and the "
+                "extensions' flags must be the checkpoint's, and the code of its version"
+            ) from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().split("\n")[0][:200]
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 # ----------------------------------------------------------------------------- 1. the searchers
 
 
-class SearcherFailed(RuntimeError):
-    """A searcher raised or died, and no restarts are left."""
+class SearcherFailed(RunError):
+    """A searcher raised or died, and no restarts are left. The message carries the searcher's
+    own traceback, which is where the cause is (a reward that is not a number, a model that does
+    not fit): the trainer's side of it says only that the message arrived."""
 
 
 class SearcherPool:

@@ -42,6 +42,8 @@ from rewards import gsm8k_reward
 from tba import WeightStore, load_causal_lm, pad_token_id
 from tiny import cpu_config, synthetic_problems
 
+pytestmark = pytest.mark.slow  # a Ray cluster of four raylets on this machine, for the module
+
 LOOPBACK = "127.0.0.1"
 WORKERS = 3  # worker raylets, one searcher slot each: two searchers and a spare node
 FAST_HEALTH = {  # a node that dies without saying so is declared dead in ~3 s, not ~15 s

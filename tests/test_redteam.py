@@ -19,6 +19,7 @@ import run_redteam
 from evaluate import EvalConfig
 from helpers import time_limit
 from run_redteam import HFToxicityClassifier, HFVictim, ToxicityReward
+from tba import ConfigError
 from test_tba import read_metrics
 from tiny import (
     build_char_tokenizer,
@@ -55,7 +56,7 @@ def test_redteam_paper_preset_rows():
     assert (cfg.temperature, cfg.max_new_tokens) == (1.0, 20)
     assert not cfg.tempered_logprobs and cfg.eos_in_logprob  # Lee's log-probs: T 1, first EOS
     assert configs.grpo.loss == "tb" and cfg.max_lag == 2 * cfg.sync_every - 1
-    with pytest.raises(SystemExit, match="needs --model"):
+    with pytest.raises(ConfigError, match="needs --model"):
         run_redteam.main(["--preset", "paper"])
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import report
-from tba import ConfigError, config_argparser, configs_from_args
+from tba import ConfigError, RunError, config_argparser, configs_from_args
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = {"model": "tiny", "beta": 0.05, "sync_every": 2, "synchronous": False, "note": None}
@@ -382,13 +382,13 @@ def test_plot_run_with_missing_metrics_and_a_torn_last_line(tmp_path):
 
 
 def test_plot_run_errors_say_what_is_wrong(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"no metrics\.jsonl"):
+    with pytest.raises(RunError, match=r"no metrics\.jsonl"):
         report.plot_run(tmp_path)
     tmp_path.joinpath("metrics.jsonl").write_text("")
-    with pytest.raises(ValueError, match="has no rows"):
+    with pytest.raises(RunError, match="has no rows"):
         report.plot_run(tmp_path)
     tmp_path.joinpath("metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 3}\n')
-    with pytest.raises(ValueError, match="line 2: not JSON"):
+    with pytest.raises(RunError, match="line 2: not JSON"):
         report.plot_run(tmp_path)
 
 

@@ -180,6 +180,7 @@ def test_sigint_writes_checkpoint_and_every_process_exits(tiny_model_dir, tmp_pa
             "Ctrl-C took more than 10 s"
         )
         assert session_pids(proc.pid) == [], "a process of the run survived Ctrl-C"
+        assert proc.returncode == 128 + signal.SIGINT
         state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
         assert state["trainer"]["step"] >= 4  # written on the interrupt, not only every 1000 steps
 

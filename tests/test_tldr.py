@@ -25,6 +25,7 @@ from grpo import GRPOConfig
 from helpers import child_pids, time_limit
 from run_tldr import RewardModelReward
 from tba import (
+    RunError,
     TBAConfig,
     beta_at,
     configs_from_args,
@@ -160,7 +161,7 @@ def test_tldr_data_loader_and_missing_data_error(tmp_path):
     with pytest.raises(ValueError, match=r"train.jsonl:1: missing or empty field 'reference_resp"):
         run_tldr.load_tldr(str(tmp_path))
     if importlib.util.find_spec("datasets") is None:  # else it would try the hub
-        with pytest.raises(FileNotFoundError, match=r"empty/train.jsonl.*vwxyzjn/summarize"):
+        with pytest.raises(RunError, match=r"empty/train.jsonl.*vwxyzjn/summarize"):
             run_tldr.load_tldr(str(tmp_path / "empty"))
 
 

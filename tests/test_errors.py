@@ -1,0 +1,165 @@
+"""What a person sees when a run cannot go on: a configuration that cannot work, a file that is
+missing or malformed, a model that is not there, a checkpoint that is not one, a stop by signal.
+Each is one line on stderr (after argparse's usage line for a flag), with a distinct exit status
+and no traceback; a bug keeps its traceback (tba.run_cli)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import bench
+import report
+import run_gsm8k
+import run_redteam
+import run_tldr
+from helpers import cli_run, stop_run, wait_for_rows
+from tba import ConfigError, RunError, run_cli
+from tiny import cpu_config, save_tiny_model
+from trainer import SearcherFailed, Trainer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def failure(capsys, main, argv: list[str]) -> tuple[int, list[str]]:
+    """run_cli(main, argv)'s exit status and its stderr lines; asserts that no traceback was
+    printed and the message is one line."""
+    status = run_cli(main, argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return status, lines
+
+
+@pytest.mark.parametrize(
+    "argv, status, message",
+    [
+        (["--lr", "-1"], 2, "error: --lr must be > 0, got -1.0"),
+        (["--prompts_per_step", "0"], 2, "error: --prompts_per_step must be >= 1, got 0"),
+        (["--responses_per_prompt", "1"], 2, "error: --responses_per_prompt (K) must be >= 2"),
+        (["--preset", "tiny", "--data_dir", "x"], 2, "the tiny preset makes its own task"),
+        (["--preset", "tiny", "--model", "/no/such/model"], 1, "--model '/no/such/model': no such"),
+    ],
+)
+def test_gsm8k_job_refuses_in_one_line(capsys, argv, status, message):
+    got, lines = failure(capsys, run_gsm8k.main, argv)
+    assert got == status
+    assert message in lines[0]
+
+
+def test_gsm8k_data_missing_or_malformed_names_the_file_and_line(capsys, tmp_path):
+    got, lines = failure(capsys, run_gsm8k.main, ["--preset", "paper", "--data_dir", str(tmp_path)])
+    assert got == 1
+    assert f"GSM8K file not found: {tmp_path / 'train.jsonl'}" in lines[0]
+    good = '{"question": "What is 1 + 1?", "answer": "1 + 1 = 2\\n#### 2"}\n'
+    (tmp_path / "train.jsonl").write_text(good + "{not json\n")
+    (tmp_path / "test.jsonl").write_text(good)
+    got, lines = failure(capsys, run_gsm8k.main, ["--preset", "paper", "--data_dir", str(tmp_path)])
+    assert got == 1
+    assert f"{tmp_path / 'train.jsonl'}:2: malformed JSON" in lines[0]
+
+
+def test_other_jobs_refuse_in_one_line(capsys, tmp_path):
+    got, lines = failure(capsys, run_tldr.main, ["--preset", "paper", "--data_dir", str(tmp_path)])
+    assert (got, "TL;DR data not found") == (1, lines[0].split(": error: ")[1][:20])
+    got, lines = failure(capsys, run_redteam.main, ["--preset", "paper"])
+    assert got == 2 and "the paper preset needs --model" in lines[0]
+    got, lines = failure(capsys, report.main, [str(tmp_path)])
+    assert got == 1 and f"no metrics.jsonl in {tmp_path}" in lines[0]
+    got, lines = failure(capsys, bench.main, ["--set", "no_such_field=1"])
+    assert got == 2 and "--set no_such_field=1: expected FIELD=VALUE" in lines[0]
+    got, lines = failure(capsys, bench.main, ["--sections", "stalenes"])
+    assert got == 2 and "--sections: unknown ['stalenes']" in lines[0]
+
+
+def test_a_bug_keeps_its_traceback_and_debug_keeps_every_traceback(capsys, monkeypatch):
+    def buggy(argv):
+        return 1 / 0
+
+    with pytest.raises(ZeroDivisionError):
+        run_cli(buggy, [])
+
+    def refuses(argv):
+        raise ConfigError("--lr must be > 0, got -1.0")
+
+    monkeypatch.setenv("TBA_DEBUG", "1")
+    assert run_cli(refuses, []) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].endswith("got -1.0")
+
+
+def test_interrupt_outside_training_says_so(capsys):
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    assert run_cli(interrupted, []) == 128 + signal.SIGINT
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("stopped by SIGINT outside training (no checkpoint was written then)")
+    )
+
+
+def test_searcher_failure_is_a_run_error():
+    """A dead searcher's message is its own traceback, printed by run_cli without the trainer's
+    (test_system checks the message itself)."""
+    assert issubclass(SearcherFailed, RunError)
+
+
+def test_checkpoint_that_is_not_one_or_of_another_model(tmp_path):
+    small = save_tiny_model(tmp_path / "small", hidden=16)
+    large = save_tiny_model(tmp_path / "large", hidden=32)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    trainer = Trainer(cpu_config(small), torch.device("cpu"), pad_id=0, eos_id=1)
+    with pytest.raises(RunError, match=r"garbage\.pt is not a checkpoint of this program"):
+        trainer.load(garbage)
+    torch.save({"weights": [1, 2]}, garbage)  # a torch file, but not ours
+    with pytest.raises(RunError, match=r"is not a checkpoint of this program \(KeyError"):
+        trainer.load(garbage)
+    trainer.save(tmp_path / "small.pt")
+    other = Trainer(cpu_config(large), torch.device("cpu"), pad_id=0, eos_id=1)
+    with pytest.raises(RunError, match=r"small\.pt does not fit this run"):
+        other.load(tmp_path / "small.pt")
+
+
+@pytest.mark.parametrize(
+    "script, argv, status, message",
+    [
+        ("run_gsm8k.py", ["--lr", "-1"], 2, "run_gsm8k.py: error: --lr must be > 0, got -1.0"),
+        ("report.py", ["/"], 1, "report.py: error: no metrics.jsonl in /:"),
+    ],
+)
+def test_entry_scripts_print_one_line(script, argv, status, message):
+    """The scripts as a person runs them: the exit status and the last line of stderr."""
+    done = subprocess.run(
+        [sys.executable, script, *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "TBA_DEBUG"},
+    )
+    assert done.returncode == status, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(message), done.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_says_where_and_how_to_resume(tiny_model_dir, tmp_path):
+    with cli_run(tiny_model_dir, tmp_path, "--total_steps", "100000") as proc:
+        wait_for_rows(tmp_path, 3, proc)
+        stop_run(proc, signal.SIGTERM, wait_s=30, settle_s=10)
+        output = proc.stdout.read()
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("run_gsm8k.py: stopped by SIGTERM at step "), output[-3000:]
+    assert last.endswith(f"{tmp_path / 'checkpoint.pt'} continues it with --resume")
+    assert "Traceback" not in output
