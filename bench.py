@@ -47,6 +47,7 @@ import dataclasses
 import datetime
 import importlib.util
 import json
+import math
 import os
 import platform
 import random
@@ -304,6 +305,37 @@ STALE_EVAL_EVERY = 25  # steps between greedy evaluations in the staleness exper
 STALE_REPORT_STEPS = (100, 200, 300, 400)
 STALE_THRESHOLD = 0.85
 COLLAPSE_DROP = 0.2  # a collapse: accuracy falls this far below its best so far
+TB_CLIP_EPS = 0.3  # the tiny presets' tb_clip_eps, what the loss name tb_clip runs
+STEP_KEYS = (
+    "train/grad_norm",
+    "policy/logp_mean",
+    "reward/mean",
+)  # kept per step, with offpolicy/*
+
+
+def stale_loss(name: str) -> tuple[str, float]:
+    """A staleness loss name as (--loss, --tb_clip_eps): tb is plain TB (the paper's), tb_clip
+    TB with the tiny presets' trust region, tb_clip_EPS with that eps, grpo the baseline."""
+    if name in ("tb", "grpo"):
+        return name, 0.0
+    if name == "tb_clip":
+        return "tb", TB_CLIP_EPS
+    wrong = ConfigError(f"--losses: {name!r} is not tb, tb_clip, tb_clip_EPS (EPS > 0) or grpo")
+    if not name.startswith("tb_clip_"):
+        raise wrong
+    try:
+        eps = float(name.removeprefix("tb_clip_"))
+    except ValueError:
+        raise wrong from None
+    if not (math.isfinite(eps) and eps > 0):
+        raise wrong
+    return "tb", eps
+
+
+def stale_order(name: str) -> tuple:
+    """Plain TB, then TB with clips by eps, then GRPO."""
+    loss, eps = stale_loss(name)
+    return (loss == "grpo", eps)
 
 
 def staleness_run(
@@ -320,8 +352,11 @@ def staleness_run(
     t - lag (the starting weights while t < lag). Returns the score every STALE_EVAL_EVERY
     steps: on ``task`` gsm8k greedy accuracy on the held-out sums; on tldr (run_tldr's tiny
     preset, its proxy reward cached beside ``model_dir``) the gold win rate of greedy summaries
-    against the references, with their perplexity under the SFT model at the end."""
+    against the references, with their perplexity under the SFT model at the end; and per step
+    the off-policy metrics of the update (``trainer.offpolicy_metrics``) and its gradient norm
+    (``steps``), with their means (``offpolicy``)."""
     torch.set_num_threads(1)
+    loss_name, clip_eps = stale_loss(loss)
     if task == "tldr":
         train, test, _ = run_tldr.tiny_task()
         preset = run_tldr.TINY_PRESET
@@ -331,8 +366,10 @@ def staleness_run(
         preset = TINY_PRESET
         reward_fn = gsm8k_reward
     with tempfile.TemporaryDirectory(prefix="tba_stale_") as out:
-        cfg, eval_cfg = tiny_configs(model_dir, preset, seed=seed, output_dir=out, **overrides)
-        parts = grpo.install(Parts(), grpo.GRPOConfig(loss=loss))
+        cfg, eval_cfg = tiny_configs(
+            model_dir, preset, seed=seed, output_dir=out, **{"tb_clip_eps": clip_eps, **overrides}
+        )
+        parts = grpo.install(Parts(), grpo.GRPOConfig(loss=loss_name))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         torch.manual_seed(seed)
         trainer = parts.trainer(
@@ -369,6 +406,7 @@ def staleness_run(
         versions.append(_weights_copy(trainer.model))
         curve = [(0, score(trainer.model))]
         generated_by = []  # the version of the weights that generated each step's batch
+        per_step = []  # offpolicy/* and the gradient norm of each update
         t0 = time.perf_counter()
         for _ in range(steps):
             searcher.engine.load_weights(versions[0])
@@ -378,7 +416,10 @@ def staleness_run(
             n = cfg.num_generations
             k = cfg.responses_per_prompt
             groups = [trajectories[i : i + n][:k] for i in range(0, len(trajectories), n)]
-            trainer.update(groups)
+            metrics = trainer.update(groups)
+            per_step.append(
+                {k: v for k, v in metrics.items() if k in STEP_KEYS or k.startswith("offpolicy/")}
+            )
             versions.append(_weights_copy(trainer.model))
             if trainer.step % STALE_EVAL_EVERY == 0 or trainer.step == steps:
                 curve.append((trainer.step, score(trainer.model)))
@@ -391,6 +432,12 @@ def staleness_run(
         "curve": curve,
         "perplexity": final.get("perplexity"),
         "generated_by": generated_by,
+        "steps": per_step,
+        "offpolicy": {
+            key: statistics.fmean(row[key] for row in per_step)
+            for key in per_step[0]
+            if key.startswith("offpolicy/")
+        },
         "seconds": time.perf_counter() - t0,
     }
 
@@ -425,6 +472,8 @@ def summarize_staleness(runs: list[dict]) -> dict:
                 "steps_to": reached[0] if reached else None,
                 "worst_drop": worst_drop,
                 "collapsed": worst_drop > COLLAPSE_DROP,
+                "clip_frac": run.get("offpolicy", {}).get("offpolicy/clip_frac"),
+                "rho_abs_mean": run.get("offpolicy", {}).get("offpolicy/rho_abs_mean"),
             }
         )
     for by_lag in out.values():
@@ -441,6 +490,9 @@ def summarize_staleness(runs: list[dict]) -> dict:
                 s if s is not None else float("inf") for s in steps_to
             )
             row["collapses"] = sum(s["collapsed"] for s in seeds)
+            for key in ("clip_frac", "rho_abs_mean"):  # means over steps, median over seeds
+                values = [s[key] for s in seeds if s[key] is not None]
+                row[f"median_{key}"] = statistics.median(values) if values else None
     return out
 
 
@@ -452,7 +504,7 @@ def plot_staleness(runs: list[dict], path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    losses = sorted({r["loss"] for r in runs}, key=["tb", "grpo"].index)
+    losses = sorted({r["loss"] for r in runs}, key=stale_order)
     lags = sorted({r["lag"] for r in runs})
     fig, axes = plt.subplots(1, len(losses), figsize=(6 * len(losses), 4), squeeze=False)
     colors = plt.get_cmap("viridis")
@@ -476,6 +528,54 @@ def plot_staleness(runs: list[dict], path: Path) -> str | None:
         ax.set_ylim(0, 1)
         ax.axhline(STALE_THRESHOLD, color="grey", ls="--", lw=0.8)
         ax.legend(loc="lower right", fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return str(path)
+
+
+def plot_offpolicy(runs: list[dict], path: Path) -> str | None:
+    """The mechanism, per step of the TB runs of the largest lag and of d = 0 (seed 0): the
+    median and 10-90% band of rho = log pi - log pi_b on the batch trained, the gradient norm
+    before clipping, the share of items clipped, and the accuracy."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    tb_runs = [r for r in runs if r["loss"] != "grpo" and r["seed"] == min(x["seed"] for x in runs)]
+    if not tb_runs:
+        return None
+    top = max(r["lag"] for r in tb_runs)
+    shown = sorted(
+        (r for r in tb_runs if r["lag"] in (0, top)),
+        key=lambda r: (stale_order(r["loss"]), r["lag"]),
+    )
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4))
+    colors = plt.get_cmap("tab10")
+    for i, run in enumerate(shown):
+        label = f"{run['loss']}, d = {run['lag']}"
+        steps = range(1, len(run["steps"]) + 1)
+        rows = run["steps"]
+        color = colors(i)
+        median = [row.get("offpolicy/rho_q50", float("nan")) for row in rows]
+        axes[0].plot(steps, median, color=color, lw=1.2, label=label)
+        low = [row.get("offpolicy/rho_q10", float("nan")) for row in rows]
+        high = [row.get("offpolicy/rho_q90", float("nan")) for row in rows]
+        axes[0].fill_between(steps, low, high, color=color, alpha=0.15)
+        axes[1].plot(steps, [row["train/grad_norm"] for row in rows], color=color, lw=0.8)
+        clipped = [row.get("offpolicy/clip_frac", 0.0) for row in rows]
+        axes[2].plot(steps, clipped, color=color, lw=0.8)
+        axes[3].plot(*zip(*run["curve"], strict=True), color=color, lw=1.5, label=label)
+    axes[0].set_title("rho = log pi - log pi_b on the batch trained (median, 10-90%)")
+    axes[1].set_title("gradient norm (before clipping at 1.0)")
+    axes[2].set_title("share of items the trust region clipped")
+    axes[3].set_title("greedy accuracy, 200 held-out sums")
+    axes[3].set_ylim(0, 1)
+    for ax in axes:
+        ax.set_xlabel("trainer step")
+    axes[0].legend(loc="lower left", fontsize=8)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return str(path)
@@ -516,6 +616,7 @@ def bench_staleness(
         "runs": runs,
         "summary": summarize_staleness(runs),
         "plot": plot_staleness(runs, png),
+        "plot_offpolicy": plot_offpolicy(runs, png.with_name(png.stem + "_offpolicy.png")),
     }
 
 
@@ -1121,8 +1222,8 @@ def print_staleness(stale: dict) -> None:
         f"collapses = runs falling > {COLLAPSE_DROP} below their best)"
     )
     header = "".join(f"{'@' + str(s):>7}" for s in STALE_REPORT_STEPS)
-    print(f"{'loss':<6}{'d':>4}{header}{'steps to':>10}{'collapses':>11}")
-    for loss, by_lag in stale["summary"].items():
+    print(f"{'loss':<12}{'d':>4}{header}{'steps to':>10}{'collapses':>11}{'clipped':>9}")
+    for loss, by_lag in sorted(stale["summary"].items(), key=lambda item: stale_order(item[0])):
         for lag, row in sorted(by_lag.items(), key=lambda item: int(item[0])):
             cells = ""
             for step in map(str, STALE_REPORT_STEPS):
@@ -1130,8 +1231,11 @@ def print_staleness(stale: dict) -> None:
                 cells += f"{value:>7.3f}" if value is not None else f"{'-':>7}"
             seeds = len(row["seeds"])
             steps_to = f"{row['median_steps_to']:.0f} ({row['steps_to_reached']}/{seeds})"
-            print(f"{loss:<6}{lag:>4}{cells}{steps_to:>10}{row['collapses']:>9}/{seeds}")
-    print(f"plot: {stale['plot']}")
+            clipped = row.get("median_clip_frac")
+            clipped = f"{clipped:>9.3f}" if clipped is not None else f"{'-':>9}"
+            collapses = f"{row['collapses']:>9}/{seeds}"
+            print(f"{loss:<12}{lag:>4}{cells}{steps_to:>10}{collapses}{clipped}")
+    print(f"plots: {stale['plot']}, {stale['plot_offpolicy']}")
 
 
 def print_tldr_staleness(stale: dict) -> None:
@@ -1172,7 +1276,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per mode for time to accuracy")
     parser.add_argument("--budget", type=float, default=120.0, help="seconds of training per run")
     parser.add_argument("--lags", default="0,1,2,4,8", help="staleness: versions behind, d")
-    parser.add_argument("--losses", default="tb", help="staleness: comma list of losses")
+    parser.add_argument(
+        "--losses",
+        default="tb,tb_clip",
+        help="staleness: comma list of tb (plain), tb_clip (the tiny presets' trust region), "
+        "tb_clip_EPS, grpo",
+    )
     parser.add_argument("--stale_seeds", type=int, default=3, help="staleness: seeds per setting")
     parser.add_argument("--stale_first_seed", type=int, default=0, help="staleness: the first seed")
     parser.add_argument("--stale_steps", type=int, default=400, help="staleness: steps per run")
@@ -1196,6 +1305,7 @@ def main(argv: list[str] | None = None) -> None:
         help="TBAConfig overrides of the tiny preset for every run",
     )
     args = parser.parse_args(argv)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     sections = args.sections.split(",")
     overrides = {}
@@ -1212,6 +1322,8 @@ def main(argv: list[str] | None = None) -> None:
             overrides[name] = type(default)(value)
         except ValueError as err:
             raise ConfigError(f"--set {item}: {err}") from None
+    for name in args.losses.split(","):
+        stale_loss(name)  # a ConfigError now, not after the warm start
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
         raise ConfigError(f"--sections: unknown {sorted(unknown)}; known: {', '.join(SECTIONS)}")

@@ -64,6 +64,9 @@ class Trajectory:
     # Per scored response token (tba.scored_tokens: the loss's temperature and EOS rule), by
     # name, for a loss that weighs tokens (grpo.py: "behaviour" and "reference"); None for TB.
     token_logprobs: dict[str, list[float]] | None = None
+    # log pi_b(y|x): the generating weights' log-prob of the response, summed over the scored
+    # tokens by that same rule; TB's trust region reads it (tba.tb_loss). None: not recorded.
+    behaviour_logprob: float | None = None
 
 
 TOKEN_TYPE = "i"  # array typecode of stored token ids: int32 (every vocabulary is < 2**31)
@@ -89,6 +92,7 @@ class StoredTrajectory:
     list; ``trajectory()`` rebuilds the record the searcher sent."""
 
     __slots__ = (
+        "behaviour_logprob",
         "packed_token_logprobs",
         "prompt",
         "prompt_id",
@@ -107,6 +111,7 @@ class StoredTrajectory:
         ref_logprob: float,
         version: int,
         packed_token_logprobs: dict[str, bytes] | None = None,
+        behaviour_logprob: float | None = None,
     ):
         self.prompt_id = prompt_id
         self.prompt = prompt  # packed prompt token ids
@@ -115,6 +120,7 @@ class StoredTrajectory:
         self.ref_logprob = ref_logprob
         self.version = version
         self.packed_token_logprobs = packed_token_logprobs
+        self.behaviour_logprob = behaviour_logprob
 
     @classmethod
     def from_trajectory(cls, traj: Trajectory, prompt: bytes) -> StoredTrajectory:
@@ -130,6 +136,7 @@ class StoredTrajectory:
             traj.ref_logprob,
             traj.version,
             token_logprobs,
+            traj.behaviour_logprob,
         )
 
     @property
@@ -155,6 +162,7 @@ class StoredTrajectory:
             self.ref_logprob,
             self.version,
             self.token_logprobs,
+            self.behaviour_logprob,
         )
 
 
@@ -212,6 +220,8 @@ class ReplayBuffer:
             raise ValueError(
                 f"ReplayBuffer.add: non-finite reward {traj.reward} for prompt {traj.prompt_id!r}"
             )
+        if traj.behaviour_logprob is not None and math.isnan(traj.behaviour_logprob):
+            raise ValueError(f"ReplayBuffer.add: NaN behaviour log-prob, prompt {traj.prompt_id!r}")
         group = self.groups.pop(traj.prompt_id, [])
         self.groups[traj.prompt_id] = group  # re-inserted last: the most recently refreshed
         self._fresh.add(traj.prompt_id)
@@ -437,7 +447,7 @@ class ReplayBuffer:
 # A group's items as one record of columns, packed (``_columns``), so that the unpickler of
 # torch.load(weights_only=True), written in Python, handles a few objects per prompt rather than
 # a few hundred per trajectory.
-STATE_FORMAT = 3
+STATE_FORMAT = 4
 _COUNT_TYPE = "q"  # of versions and byte lengths in a state
 
 
@@ -456,7 +466,8 @@ def _bytes(text: str | None) -> bytes | None:
 
 def _columns(group: list[StoredTrajectory]) -> dict:
     """A group's items as one record of columns; field names as in Trajectory, the per-token
-    log-probs one mapping (or None) per item; packed bytes as ``_text``."""
+    log-probs one mapping (or None) per item; packed bytes as ``_text``. A behaviour log-prob
+    not recorded is stored as NaN (a recorded one never is)."""
     return {
         "prompt_tokens": _text(group[0].prompt),
         "response_tokens": _text(b"".join(t.response for t in group)),
@@ -464,6 +475,9 @@ def _columns(group: list[StoredTrajectory]) -> dict:
         "reward": _text(pack([t.reward for t in group], FLOAT_TYPE)),
         "ref_logprob": _text(pack([t.ref_logprob for t in group], FLOAT_TYPE)),
         "version": _text(pack([t.version for t in group], _COUNT_TYPE)),
+        "behaviour_logprob": _text(
+            pack([_nan_if_none(t.behaviour_logprob) for t in group], FLOAT_TYPE)
+        ),
         "token_logprobs": [
             None
             if t.packed_token_logprobs is None
@@ -479,11 +493,16 @@ def _from_columns(prompt_id: Hashable, columns: dict) -> list[StoredTrajectory]:
     rewards = unpack(_bytes(columns["reward"]), FLOAT_TYPE)
     ref_logprobs = unpack(_bytes(columns["ref_logprob"]), FLOAT_TYPE)
     versions = unpack(_bytes(columns["version"]), _COUNT_TYPE)
+    behaviour = [
+        None if math.isnan(x) else x
+        for x in unpack(_bytes(columns["behaviour_logprob"]), FLOAT_TYPE)
+    ]
     token_logprobs = [
         None if per_item is None else {k: _bytes(v) for k, v in per_item.items()}
         for per_item in columns["token_logprobs"]
     ]
-    if not len(sizes) == len(rewards) == len(ref_logprobs) == len(versions) == len(token_logprobs):
+    lengths = {len(column) for column in (rewards, ref_logprobs, versions, behaviour)}
+    if lengths | {len(token_logprobs)} != {len(sizes)}:
         raise ValueError(f"ReplayBuffer.load_state_dict: columns of unequal length, {prompt_id!r}")
     prompt = _bytes(columns["prompt_tokens"])
     responses = _bytes(columns["response_tokens"])
@@ -499,12 +518,17 @@ def _from_columns(prompt_id: Hashable, columns: dict) -> list[StoredTrajectory]:
                 ref_logprobs[i],
                 versions[i],
                 token_logprobs[i],
+                behaviour[i],
             )
         )
         start += size
     if start != len(responses):
         raise ValueError(f"ReplayBuffer.load_state_dict: response bytes of {prompt_id!r} corrupt")
     return items
+
+
+def _nan_if_none(value: float | None) -> float:
+    return math.nan if value is None else value
 
 
 def _packing() -> list:

@@ -173,13 +173,14 @@ def install(parts: Parts, parity: ParityProbe) -> Parts:
 
 def run_summary(out_dir: Path, mop_prob: float) -> dict:
     """What a first run on new hardware must tell: seconds per step, the initial fill, peak
-    memory of every process, the realised most-on-policy fraction and the lag (metrics.jsonl)."""
+    memory of every process, the realised most-on-policy fraction and the lag, and how far the
+    trained policy was from the samplers' log-probs (metrics.jsonl)."""
     lines = (out_dir / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     peaks = {"trainer": max(r["memory/trainer_peak_gb"] for r in rows)}
     for key in sorted({k for r in rows for k in r if k.endswith("/peak_mem_gb")}):
         peaks[key.split("/")[0]] = max(r[key] for r in rows if key in r)
-    return {
+    summary = {
         "steps": len(rows),
         "seconds_per_step_median": statistics.median(r["time/step"] for r in rows),
         "initial_fill_s": rows[0]["time/wait"],
@@ -189,6 +190,13 @@ def run_summary(out_dir: Path, mop_prob: float) -> dict:
         "lag_mean": statistics.fmean(r["async/lag_mean"] for r in rows),
         "lag_max": max(r["async/lag_max"] for r in rows),
     }
+    # How far the trained policy was from the engines' log-probs (TB with behaviour log-probs
+    # recorded): on new hardware, whether tb_clip_eps would bind on numerics alone.
+    for key in ("clip_frac", "rho_abs_mean", "rho_q10", "rho_q90"):
+        values = [r[f"offpolicy/{key}"] for r in rows if f"offpolicy/{key}" in r]
+        if values:
+            summary[key] = statistics.fmean(values)
+    return summary
 
 
 def weights_verdict(num_searchers: int, out_dir: Path, evaluator) -> str:
@@ -231,5 +239,11 @@ def print_summary(summary: dict) -> None:
         f"most-on-policy fraction {summary['mop_frac']:.3f} (m = {summary['mop_prob']}), "
         f"lag mean {summary['lag_mean']:.2f}, max {summary['lag_max']:.0f} versions"
     )
+    if "rho_abs_mean" in summary:
+        print(
+            f"policy against the samplers' log-probs: |rho| mean {summary['rho_abs_mean']:.3f} "
+            f"nats, 10-90% [{summary['rho_q10']:.3f}, {summary['rho_q90']:.3f}]; trust region "
+            f"clipped {summary['clip_frac']:.1%} of items"
+        )
     if "weights" in summary:  # what --parity_check checked
         print(summary["weights"])

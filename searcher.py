@@ -242,9 +242,10 @@ class Searcher:
         return time.perf_counter() - t0
 
     def search_once(self) -> tuple[list[Trajectory], tuple[float, float, float]]:
-        """1b-1c. N responses to each of the next prompts of the shard, with their rewards and
-        reference log-probs, tagged with the version of the weights held. Returns them and the
-        seconds spent generating, rewarding and scoring."""
+        """1b-1c. N responses to each of the next prompts of the shard, with their rewards,
+        reference log-probs and behaviour log-probs (the engine's, of what it sampled), tagged
+        with the version of the weights held. Returns them and the seconds spent generating,
+        rewarding and scoring."""
         batch = self.next_prompts()  # 1b
         t0 = time.perf_counter()
         prompts = [self.prompt_ids[i] for i in batch]
@@ -255,12 +256,14 @@ class Searcher:
         ref_logps, ref_token_logps = self.reference_logprobs(prompts, outputs)
         t3 = time.perf_counter()
         trajectories = []
+        eos_rule = self.cfg.eos_in_logprob
         for i, idx in enumerate(batch):
             for j, tokens in enumerate(outputs[i]):
-                per_token = {}  # the lists a loss asked for, cut to the tokens scored
+                # the engine's log-probs cut to the tokens the trainer scores (the EOS rule)
+                scored = behaviour[i][j][: len(scored_tokens(tokens, self.eos_id, eos_rule))]
+                per_token = {}  # the lists a loss asked for
                 if "behaviour" in self.keep:
-                    scored = scored_tokens(tokens, self.eos_id, self.cfg.eos_in_logprob)
-                    per_token["behaviour"] = behaviour[i][j][: len(scored)]
+                    per_token["behaviour"] = scored
                 if "reference" in self.keep:
                     per_token["reference"] = ref_token_logps[i][j]
                 trajectories.append(
@@ -272,6 +275,7 @@ class Searcher:
                         ref_logprob=ref_logps[i][j],
                         version=self.version,
                         token_logprobs=per_token or None,
+                        behaviour_logprob=math.fsum(scored),
                     )
                 )
         return trajectories, (t1 - t0, t2 - t1, t3 - t2)

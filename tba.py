@@ -15,8 +15,9 @@ The algorithm (the main loops in the code are labelled with these numbers)
   1. Each searcher (searcher.py) holds pi at some version and a frozen p_ref. Repeatedly:
      a. between generate calls, load the newest published weights if they are newer;
      b. take the next prompts of its shard and generate N responses each at temperature T;
-     c. score r(x, y) and log p_ref(y|x);
-     d. send the trajectories (x, y, r, log p_ref, version) through a bounded queue.
+     c. score r(x, y) and log p_ref(y|x), and keep log pi_b(y|x), the engine's own log-prob of
+        what it sampled (pi_b, the behaviour policy: the weights that sampled y);
+     d. send the trajectories (x, y, r, log p_ref, log pi_b, version) through a bounded queue.
   2. The trainer (trainer.py) drains the queue into a replay buffer grouped by prompt (buffer.py),
      on a thread of its own, so that intake overlaps the step. It waits for the initial fill,
      then only while its newest data is over max_lag versions old (or, with max_train_lag,
@@ -25,11 +26,14 @@ The algorithm (the main loops in the code are labelled with these numbers)
      refreshed since the latest publish (or one of the P most recently refreshed) with its
      newest items; else any prompt, items drawn by softmax(r * inv_temp). Stale data is fine:
      the TB optimum does not depend on where the samples came from. The path to it does: on
-     the tiny task TB is free one version behind and collapses from four (docs/staleness.md),
-     so max_train_lag can bound the age of every item a step draws.
+     the tiny task plain TB collapses on data four versions old, and holds at sixteen with
+     step 4's trust region (docs/staleness.md); max_train_lag can bound the age of every item
+     a step draws.
   4. It recomputes log pi(y|x) with gradients and takes an AdamW step on the VarGrad TB loss
      (Eq. 5): d_i = log pi(y_i|x) - log p_ref(y_i|x) - r(x, y_i) / beta, log Z = -mean_i d_i
-     (detached), L = mean over the P prompts and their K responses of (log Z + d_i)^2.
+     (detached), L = mean over the P prompts and their K responses of (log Z + d_i)^2; with a
+     trust region (tb_clip_eps), no gradient from an item the policy has already moved more
+     than eps beyond log pi_b in the direction its residual pushes.
   5. Every k steps it publishes its weights as the version equal to its step count.
 The synchronous baseline (--synchronous) is the same code on-policy: a searcher generates once
 per version, and the trainer trains only on data of its current version and publishes every step.
@@ -65,9 +69,13 @@ checks) name their own departures in their files; README, "Extensions", lists th
 Options beyond the paper, off in its preset, each one flag (docs/staleness.md):
   * max_train_lag: a bound on the age of everything a step trains on. The released run
     bounds only the newest data (its barrier) and replays from the whole buffer.
-  * tb_residual_bound: each sample's residual log Z + d_i counts linearly beyond the bound
-    (Huber), which bounds the pull of a stale sample the policy has moved far from. The loss
-    is still zero exactly at the target, so the optimum does not move.
+  * tb_clip_eps: a trust region for TB on each item's behaviour log-prob (``tb_loss``): an
+    item the policy has already moved more than eps nats beyond where the weights that
+    sampled it had it, in the direction its residual pushes, gives no gradient. The loss and
+    its zero, hence the optimum, do not move; on-policy it is plain TB. Plain TB collapses on
+    the tiny task from data four versions old; with the clip it holds at 16. On in the tiny
+    presets; off in the paper preset, whose bf16 vLLM log-probs are not the trainer's to
+    within eps on long responses without a measurement on GPUs (docs/staleness.md).
 """
 
 from __future__ import annotations
@@ -94,7 +102,8 @@ def tb_loss(
     ref_logp: torch.Tensor,
     reward: torch.Tensor,
     beta: float,
-    residual_bound: float = 0.0,
+    behaviour_logp: torch.Tensor | None = None,
+    clip_eps: float = 0.0,
 ) -> torch.Tensor:
     """VarGrad trajectory-balance loss (paper Eq. 5). Needs only torch; copy it anywhere.
 
@@ -116,12 +125,6 @@ def tb_loss(
         logZ_i  = -mean_j d_ij                    (detached)
         loss    = mean_ij (logZ_i + d_ij)^2       (= mean over prompts of the variance of d)
 
-    ``residual_bound`` = b > 0 replaces the square of each residual e = logZ_i + d_ij by the
-    Huber function: e^2 for |e| <= b, 2 b |e| - b^2 beyond, so that no sample's gradient
-    exceeds 2 b grad log pi (stale samples that the policy has moved far from have large |e|).
-    The loss is still zero exactly when every residual is zero, so the optimum is unchanged;
-    only the weighting of far-off samples on the way there is. 0: the paper's square.
-
     Why log Z is detached: it is the per-prompt VarGrad estimate of the log-partition function
     (the optimal constant for the batch), not a parameter; its gradient through the mean would
     be zero in expectation and only adds noise (Richter et al. 2020, VarGrad).
@@ -134,6 +137,24 @@ def tb_loss(
     d_ij - mean_j d = -(R_ij - mean_j R)/beta, so
         grad loss = -(2/beta) (1/(PK)) sum_ij (R_ij - mean_j R_ij) grad log pi(y_ij|x_i),
     i.e. REINFORCE with a per-prompt mean baseline on R, scaled by 2/beta.
+
+    Trust region (``clip_eps`` > 0; docs/staleness.md). The optimum does not depend on the
+    data, but the path to it does: the gradient 2 e_ij grad logp_ij (e = logZ + d, the
+    residual) keeps pushing an item down while e > 0 and up while e < 0 at full strength, even
+    after the policy has moved that item far past where the policy that sampled it had it --
+    on data several versions old it keeps pushing down answers it already avoids, and the mass
+    goes to sequences the data never shows. ``behaviour_logp`` (P, K) is log pi_b(y|x) of the
+    weights that sampled each item, scored by the same rule as ``logp``; rho = logp -
+    behaviour_logp (detached) is how far the policy has moved on the item, and u = -sign(e) rho
+    how far in the direction the step pushes. An item with u > clip_eps gives no gradient
+    (``tb_clipped``), as PPO's clip stops pushing a ratio out of [1 - eps, 1 + eps], but on
+    the sequence and one-sided: an item the policy has moved the other way keeps its gradient.
+    Only the gradient changes: log Z, the residuals and the loss's value are the plain ones.
+    At the target every e is 0, so nothing is clipped and the fixed point is the plain one;
+    on-policy rho = 0 and the gradient is plain TB's exactly. The region is the sampler's, so
+    it suits data whose sampler follows the policy (TBA's searchers, some versions behind):
+    from a fixed sampler far from the target (an offline dataset) every item is soon past eps
+    and the policy stops short of it. Leave it off for such data.
     """
     if logp.dim() != 2 or logp.shape != ref_logp.shape or logp.shape != reward.shape:
         raise ValueError(
@@ -144,17 +165,34 @@ def tb_loss(
         raise ValueError("tb_loss: K must be >= 2 (with one response per prompt the loss is 0)")
     if beta <= 0:
         raise ValueError(f"tb_loss: beta must be > 0, got {beta}")
-    if residual_bound < 0:
-        raise ValueError(f"tb_loss: residual_bound must be >= 0, got {residual_bound}")
+    if clip_eps < 0:
+        raise ValueError(f"tb_loss: clip_eps must be >= 0 (0: no trust region), got {clip_eps}")
+    if clip_eps > 0:
+        clipped = tb_clipped(logp, ref_logp, reward, beta, behaviour_logp, clip_eps)
+        logp = torch.where(clipped, logp.detach(), logp)  # the same values, no gradient there
     d = _tb_residual(logp, ref_logp, reward, beta)
     log_z = -d.mean(dim=1, keepdim=True).detach()
-    residual = log_z + d
-    if residual_bound > 0:
-        size = residual.abs()
-        inside = residual.pow(2)
-        outside = 2 * residual_bound * size - residual_bound**2
-        return torch.where(size <= residual_bound, inside, outside).mean()
-    return residual.pow(2).mean()
+    return (log_z + d).pow(2).mean()
+
+
+def tb_clipped(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    reward: torch.Tensor,
+    beta: float,
+    behaviour_logp: torch.Tensor,
+    clip_eps: float,
+) -> torch.Tensor:
+    """The items (P, K, bool) whose gradient ``tb_loss``'s trust region drops: those the
+    policy has already moved more than ``clip_eps`` nats beyond the behaviour policy in the
+    direction their residual pushes, u = -sign(logZ + d) (logp - behaviour_logp) > clip_eps."""
+    if behaviour_logp is None or behaviour_logp.shape != logp.shape:
+        shape = None if behaviour_logp is None else tuple(behaviour_logp.shape)
+        raise ValueError(f"tb_loss: clip_eps needs behaviour_logp of logp's shape, got {shape}")
+    d = _tb_residual(logp.detach(), ref_logp, reward, beta)
+    residual = d - d.mean(dim=1, keepdim=True)
+    rho = logp.detach().to(d.dtype) - behaviour_logp.to(d.dtype)
+    return -torch.sign(residual) * rho > clip_eps
 
 
 def tb_log_z(
@@ -601,10 +639,11 @@ class TBAConfig:
     temperature: float = knob(0.7, "sampling temperature T of the searchers")
     max_new_tokens: int = knob(512, "longest response, in tokens")
     # --- optimisation (trainer) ---
-    tb_residual_bound: float = knob(
+    tb_clip_eps: float = knob(
         0.0,
-        "TB: residuals beyond this many nats are penalised linearly (Huber), bounding each "
-        "sample's gradient; the optimum does not move. 0: the paper's square",
+        "TB trust region (tb_loss): no gradient from an item the policy has moved more than "
+        "this many nats beyond its behaviour log-prob in the direction its residual pushes; "
+        "the optimum does not move. 0: off, as in the paper (tiny presets: 0.3)",
     )
     lr: float = knob(1e-5, "peak learning rate of AdamW")
     warmup_steps: int = knob(50, "linear warmup steps of the warmup-stable-decay schedule")
@@ -706,7 +745,7 @@ class TBAConfig:
             "checkpoint_every",
             "micro_batch_size",
             "max_grad_norm",
-            "tb_residual_bound",
+            "tb_clip_eps",
             "inv_temp",
             "vllm_kv_cache_gb",
         )

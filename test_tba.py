@@ -28,6 +28,7 @@ from tba import (
     group_logprobs,
     pad_sequences,
     sequence_logprobs,
+    tb_clipped,
     tb_log_z,
     tb_loss,
     wsd_lr_factor,
@@ -66,30 +67,46 @@ def test_tb_loss_matches_slow_loop():
         assert tb_log_z(logp, ref, reward, beta).shape == (p,)
 
 
-def test_tb_loss_residual_bound_is_huber_with_the_same_zero():
-    """Inside the bound the loss is the paper's square; beyond it each residual counts
-    linearly, so no sample's gradient exceeds 2 b; the loss is zero where the square is."""
+def test_tb_clip_keeps_the_loss_and_drops_exactly_the_items_moved_past_eps():
+    """The trust region changes only the gradient: the loss's value is the plain one, an item
+    the policy moved more than eps beyond its behaviour log-prob in the direction its residual
+    pushes (u = -sign(e) rho > eps) gets none, and every other item its plain 2 e / (P K)."""
     gen = torch.Generator().manual_seed(4)
-    logp = (torch.randn(3, 5, generator=gen, dtype=torch.float64) * 10).requires_grad_()
-    ref = torch.randn(3, 5, generator=gen, dtype=torch.float64)
-    reward = torch.rand(3, 5, generator=gen, dtype=torch.float64)
-    beta, bound = 0.5, 2.0
-    assert tb_loss(logp, ref, reward, beta, 1e9).item() == pytest.approx(
-        tb_loss(logp, ref, reward, beta).item(), rel=1e-12
-    )
-    loss = tb_loss(logp, ref, reward, beta, bound)
-    d = (logp - ref - reward / beta).detach().tolist()
-    want = 0.0
-    for row in d:
-        log_z = -sum(row) / len(row)
-        for dj in row:
-            e = abs(log_z + dj)
-            want += e * e if e <= bound else 2 * bound * e - bound * bound
-    assert loss.item() == pytest.approx(want / 15, rel=1e-10)
+    p, k, beta, eps = 3, 6, 0.5, 0.3
+    logp = (torch.randn(p, k, generator=gen, dtype=torch.float64) * 3).requires_grad_()
+    ref = torch.randn(p, k, generator=gen, dtype=torch.float64)
+    reward = torch.rand(p, k, generator=gen, dtype=torch.float64)
+    rho = torch.randn(p, k, generator=gen, dtype=torch.float64)  # log pi - log pi_b
+    behaviour = logp.detach() - rho
+    loss = tb_loss(logp, ref, reward, beta, behaviour, clip_eps=eps)
+    assert loss.item() == pytest.approx(tb_loss(logp, ref, reward, beta).item(), rel=1e-12)
     loss.backward()
-    assert logp.grad.abs().max().item() <= 2 * bound / 15 + 1e-12
-    on_target = ref + reward / beta + torch.arange(3.0, dtype=torch.float64)[:, None]
-    assert tb_loss(on_target, ref, reward, beta, bound).item() == pytest.approx(0.0, abs=1e-20)
+    rows = (logp - ref - reward / beta).detach().tolist()
+    dropped = 0
+    for i, row in enumerate(rows):
+        log_z = -sum(row) / k
+        for j, dj in enumerate(row):
+            e = log_z + dj
+            u = -(1 if e > 0 else -1) * rho[i, j].item()
+            want = 0.0 if u > eps else 2 * e / (p * k)
+            dropped += u > eps
+            assert logp.grad[i, j].item() == pytest.approx(want, abs=1e-12)
+    assert 0 < dropped < p * k  # both kinds of item were there
+    clipped = tb_clipped(logp, ref, reward, beta, behaviour, eps)
+    assert clipped.sum().item() == dropped
+
+
+def test_tb_clip_on_policy_is_plain_tb():
+    """With the behaviour policy the current one (rho = 0), nothing is clipped: the gradient is
+    plain TB's exactly."""
+    gen = torch.Generator().manual_seed(5)
+    logp = (torch.randn(4, 5, generator=gen, dtype=torch.float64) * 10).requires_grad_()
+    ref = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+    reward = torch.rand(4, 5, generator=gen, dtype=torch.float64)
+    (plain,) = torch.autograd.grad(tb_loss(logp, ref, reward, 0.1), logp)
+    clipped = tb_loss(logp, ref, reward, 0.1, behaviour_logp=logp.detach(), clip_eps=1e-9)
+    (robust,) = torch.autograd.grad(clipped, logp)
+    torch.testing.assert_close(robust, plain, rtol=0, atol=0)
 
 
 def test_tb_loss_computes_in_fp32_from_bf16_inputs():
@@ -114,6 +131,10 @@ def test_tb_loss_rejects_bad_shapes():
         tb_loss(torch.zeros(2, 1), torch.zeros(2, 1), torch.zeros(2, 1), 1.0)
     with pytest.raises(ValueError, match="beta"):
         tb_loss(x, x, x, 0.0)
+    with pytest.raises(ValueError, match="clip_eps must be >= 0"):
+        tb_loss(x, x, x, 1.0, x, clip_eps=-0.1)
+    with pytest.raises(ValueError, match="clip_eps needs behaviour_logp of logp's shape"):
+        tb_loss(x, x, x, 1.0, clip_eps=0.3)
 
 
 class TabularPolicy(torch.nn.Module):
@@ -224,6 +245,56 @@ def test_tb_off_policy_converges_to_closed_form_target():
             tb_loss(all_logp + 0.1 * torch.arange(27).view(1, -1), all_ref, all_r, beta).item()
             > 1e-3
         )  # and not 0 elsewhere
+
+
+def tabular_tb_run(clip_eps: float, lag: int | None, steps: int = 400):
+    """Train a tabular policy by TB on data of the policy ``lag`` steps before (None: of a fixed
+    behaviour policy far from the target); returns the total variation from p_ref exp(r/beta)/Z
+    and the largest fraction of items a step clipped."""
+    vocab, length, beta, p, k = 3, 3, 0.5, 8, 8
+    policy = TabularPolicy(vocab, length, scale=0.0)
+    ref = TabularPolicy(vocab, length, scale=1.0, seed=11)
+    behaviour = TabularPolicy(vocab, length, scale=1.5, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    rewards = torch.rand(len(policy.sequences), generator=gen, dtype=torch.float64)
+    reward_of = dict(zip(policy.sequences, rewards.tolist(), strict=True))
+    with torch.no_grad():
+        target = (ref.log_prob(policy.sequences) + rewards / beta).softmax(0)
+    opt = torch.optim.Adam(policy.parameters(), lr=0.1)
+    past = [policy.logits.detach().clone()]
+    most_clipped = 0.0
+    for _ in range(steps):
+        if lag is not None:
+            with torch.no_grad():
+                behaviour.logits.copy_(past[max(0, len(past) - 1 - lag)])
+        flat = [s for _ in range(p) for s in behaviour.sample(k, gen)]
+        logp = policy.log_prob(flat).view(p, k)
+        ref_logp = ref.log_prob(flat).view(p, k).detach()
+        behaviour_logp = behaviour.log_prob(flat).view(p, k).detach()
+        reward = torch.tensor([reward_of[s] for s in flat], dtype=torch.float64).view(p, k)
+        clipped = tb_clipped(logp, ref_logp, reward, beta, behaviour_logp, clip_eps)
+        most_clipped = max(most_clipped, clipped.double().mean().item())
+        loss = tb_loss(logp, ref_logp, reward, beta, behaviour_logp, clip_eps)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        past.append(policy.logits.detach().clone())
+    with torch.no_grad():
+        learned = policy.log_prob(policy.sequences).exp()
+    return 0.5 * (learned - target).abs().sum().item(), most_clipped
+
+
+def test_tb_clip_reaches_the_target_from_stale_data():
+    """Data 8 steps stale, the clip binding on up to half the items of a step: the policy still
+    reaches p_ref exp(r/beta)/Z (the fixed point is the plain one, and the sampler follows the
+    policy). Data from a fixed policy far from the target is the case it is not for: every
+    item is soon past eps and the policy stops short (plain TB reaches it,
+    test_tb_off_policy_converges_to_closed_form_target)."""
+    tv, most_clipped = tabular_tb_run(clip_eps=0.3, lag=8)
+    assert tv < 1e-3, f"total variation {tv:.4f} from the target"
+    assert most_clipped > 0.3
+    tv, most_clipped = tabular_tb_run(clip_eps=0.3, lag=None)
+    assert tv > 0.3 and most_clipped == 1.0
 
 
 class CumsumLM(torch.nn.Module):

@@ -64,6 +64,9 @@ TINY_PRESET: dict = dict(
     tempered_logprobs=False,
     eos_in_logprob=True,
     max_grad_norm=1.0,
+    # TB's trust region: plain TB collapses on this task from data 4 versions old, with it holds
+    # at 16 (docs/staleness.md); at 0.3 nats it never binds on-policy here (CPU, fp32).
+    tb_clip_eps=0.3,
     eval_every=50,
     eval_subset=200,
     eval_samples=8,

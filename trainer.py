@@ -49,12 +49,40 @@ from tba import (
     meta_causal_lm,
     pad_token_id,
     peak_memory_gb,
+    tb_clipped,
     tb_log_z,
     tb_loss,
     wsd_lr_factor,
 )
 
 LAG_COUNT_TOP = 4  # metrics count the trajectories of lag 0, 1, 2, 3 and 4 or more
+
+
+@torch.no_grad()
+def offpolicy_metrics(rho: torch.Tensor, clipped: int, items: int) -> dict[str, float]:
+    """How far the policy has moved from the behaviour policy on what a step trains, from
+    ``rho`` (p, K) = log pi - log pi_b of this process's items (``items`` in the whole batch):
+    ``offpolicy/clip_frac`` (share of items tb_loss's trust region took the gradient from),
+    ``rho_abs_mean``, ``rho_q10|q50|q90`` and ``ess``, the mean over groups of the effective
+    sample size of the importance weights exp(rho) as a share of K, (sum w)^2 / (K sum w^2):
+    1 on-policy, 1/K when one item carries all the weight. Each is this process's value times
+    its share of the batch, so that data-parallel ranks' values sum to the whole batch's (the
+    quantiles to a share-weighted mean of the ranks' quantiles)."""
+    share = rho.numel() / items
+    quantiles = torch.quantile(
+        rho.flatten(), torch.tensor([0.1, 0.5, 0.9], dtype=rho.dtype, device=rho.device)
+    )
+    w = torch.exp(rho - rho.max(dim=1, keepdim=True).values)  # ess is scale-free: no overflow
+    ess = w.sum(dim=1).pow(2) / (w.pow(2).sum(dim=1) * rho.shape[1])
+    return {
+        "offpolicy/clip_frac": clipped / items,
+        "offpolicy/rho_abs_mean": rho.abs().sum().item() / items,
+        "offpolicy/rho_q10": quantiles[0].item() * share,
+        "offpolicy/rho_q50": quantiles[1].item() * share,
+        "offpolicy/rho_q90": quantiles[2].item() * share,
+        "offpolicy/ess": ess.mean().item() * share,
+    }
+
 
 # ----------------------------------------------------------------------------- 2-5. the trainer
 
@@ -193,26 +221,52 @@ class Trainer:
         """4. The gradient of ``tb_loss`` on the (P, K) batch, accumulated into ``.grad`` over
         ``micro_batches``. log Z is per prompt, so each pass's loss weighted by its share of the
         P groups sums to tb_loss on the whole batch, exactly. Returns the loss's metrics, each a
-        sum over the batch divided by a whole-batch count."""
+        sum over the batch divided by a whole-batch count (``offpolicy_metrics`` says which are
+        not)."""
         cfg = self.cfg
+        items = sum(len(g) for g in groups)
+        recorded = all(t.behaviour_logprob is not None for g in groups for t in g)
+        if cfg.tb_clip_eps > 0 and not recorded:
+            raise ValueError(
+                "--tb_clip_eps: a trajectory has no behaviour log-prob (its searcher did not "
+                "record Trajectory.behaviour_logprob)"
+            )
         loss_sum = 0.0
         log_z_sum = 0.0
         logp_sum = 0.0
+        rhos = []  # log pi - log pi_b of each item, when the searchers recorded log pi_b
+        clipped = 0
         for chunk in self.micro_batches(groups):
             logp = self.score(chunk)
             ref = torch.tensor([[t.ref_logprob for t in g] for g in chunk], device=self.device)
             reward = torch.tensor([[t.reward for t in g] for g in chunk], device=self.device)
-            loss = tb_loss(logp, ref, reward, beta, cfg.tb_residual_bound)
+            behaviour = None
+            if recorded:
+                behaviour = torch.tensor(
+                    [[t.behaviour_logprob for t in g] for g in chunk],
+                    dtype=torch.float64,  # sums of hundreds of log-probs: fp32 would round them
+                    device=self.device,
+                )
+            loss = tb_loss(logp, ref, reward, beta, behaviour, cfg.tb_clip_eps)
             loss = loss * (len(chunk) / len(groups))
             loss.backward()
             loss_sum += loss.item()
             log_z_sum += tb_log_z(logp, ref, reward, beta).sum().item()
             logp_sum += logp.detach().sum().item()
-        return {
+            if behaviour is not None:
+                rhos.append(logp.detach().double() - behaviour)
+            if cfg.tb_clip_eps > 0:
+                clipped += int(
+                    tb_clipped(logp, ref, reward, beta, behaviour, cfg.tb_clip_eps).sum()
+                )
+        metrics = {
             "loss/tb": loss_sum,
             "loss/logz_mean": log_z_sum / len(groups),
-            "policy/logp_mean": logp_sum / sum(len(g) for g in groups),
+            "policy/logp_mean": logp_sum / items,
         }
+        if rhos:
+            metrics.update(offpolicy_metrics(torch.cat(rhos), clipped, items))
+        return metrics
 
     def micro_batches(self, groups: list[list[Trajectory]]) -> Iterator[list[list[Trajectory]]]:
         """The forward passes of a step: micro_batch_size sequences each, in whole groups."""

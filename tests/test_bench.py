@@ -10,7 +10,44 @@ import sys
 
 import pytest
 
+import bench
 from helpers import REPO
+from tba import ConfigError, run_cli
+
+
+def test_stale_loss_names():
+    """Each --losses name is the (--loss, --tb_clip_eps) pair its runs train with; tb_clip is
+    the tiny presets' eps."""
+    assert bench.stale_loss("tb") == ("tb", 0.0)
+    assert bench.stale_loss("grpo") == ("grpo", 0.0)
+    assert bench.stale_loss("tb_clip") == ("tb", bench.TB_CLIP_EPS) == ("tb", 0.3)
+    assert bench.stale_loss("tb_clip_0.1") == ("tb", 0.1)
+    for bad in ("nope", "tb_clip_", "tb_clip_x", "TB", "tb_clip_-1", "tb_clip_nan", "tb_0.3"):
+        with pytest.raises(ConfigError, match="--losses"):
+            bench.stale_loss(bad)
+
+
+def test_stale_order_is_plain_tb_then_clips_by_eps_then_grpo():
+    names = ["grpo", "tb_clip", "tb_clip_0.1", "tb", "tb_clip_1.0"]
+    assert sorted(names, key=bench.stale_order) == [
+        "tb",
+        "tb_clip_0.1",
+        "tb_clip",
+        "tb_clip_1.0",
+        "grpo",
+    ]
+
+
+def test_an_unknown_loss_is_a_usage_error_before_any_run(tmp_path, capsys):
+    """--losses is checked before the warm start is trained: exit status 2, one line naming it."""
+    out = tmp_path / "bench.json"
+    argv = ["--sections", "staleness", "--losses", "tb,nope", "--out", str(out)]
+    argv += ["--warm_start", str(tmp_path / "never")]
+    assert run_cli(bench.main, argv) == 2
+    err = capsys.readouterr().err
+    assert "error: --losses: 'nope' is not tb, tb_clip, tb_clip_EPS (EPS > 0) or grpo" in err
+    assert "Traceback" not in err
+    assert not out.exists() and not (tmp_path / "never").exists()
 
 
 @pytest.mark.slow

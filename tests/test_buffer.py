@@ -243,8 +243,9 @@ def test_buffer_packs_tokens_exactly_and_shares_a_prompt():
 
 
 def test_buffer_packed_state_round_trips(tmp_path):
-    """A packed state loads (weights_only) to the same items, prompts shared, and draws as the
-    list layout does; a state of another format is a clear error."""
+    """A packed state loads (weights_only) to the same items (behaviour log-probs, recorded or
+    not, included), prompts shared, and draws as the list layout does; a state of another
+    format is a clear error."""
     buf = ReplayBuffer(capacity=4, mop_prob=0.5, inv_temp=1.0, seed=2)
     reference = ListLayoutBuffer(capacity=4, mop_prob=0.5, inv_temp=1.0, seed=2)
     rng = random.Random(1)
@@ -258,6 +259,7 @@ def test_buffer_packed_state_round_trips(tmp_path):
             -rng.random(),
             i // 40,
             None if logprobs is None else {"behaviour": logprobs, "reference": logprobs},
+            -rng.uniform(0, 300) if i % 5 else None,  # the behaviour log-prob, when recorded
         )
         buf.add(t)
         reference.add(t)
@@ -277,6 +279,6 @@ def test_buffer_packed_state_round_trips(tmp_path):
     loaded.add(dataclasses.replace(again, reward=9.0, version=20))
     assert len(loaded) == len(buf) and loaded.groups[5][-1].reward == 9.0
     other = buf.state_dict()
-    other["format"] = 2  # the format before the per-token lists were one mapping
-    with pytest.raises(ValueError, match="state format 2"):
+    other["format"] = 3  # the format before the behaviour log-prob
+    with pytest.raises(ValueError, match="state format 3"):
         ReplayBuffer().load_state_dict(other)

@@ -4,6 +4,7 @@ pool and the intake thread."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import multiprocessing
 import random
@@ -23,6 +24,8 @@ from searcher import (
     Failure,
     HFEngine,
     Ready,
+    Searcher,
+    SearcherSetup,
 )
 from tba import (
     TBAConfig,
@@ -286,3 +289,48 @@ def test_cuda_ipc_weight_store_and_hf_engine(tiny_model_dir):
     outs = engine.generate([[5, 6, 7], [8, 9]], n=2)
     assert len(outs) == 2 and all(len(o) == 2 for o in outs)
     assert all(len(tokens) <= 8 for o in outs for tokens in o)
+
+
+def test_trust_region_on_policy_then_stale(tiny_model_dir):
+    """A searcher's trajectories carry log pi_b, the engine's log-prob of what it sampled by the
+    trainer's scoring rule: trained at once, rho = log pi - log pi_b is ~0, nothing is clipped
+    and the group ESS is 1. After three AdamW steps the same batch is stale: rho moves, the
+    clip drops some items, and micro-batches change neither the gradient nor the count."""
+    cfg = cpu_config(
+        tiny_model_dir,
+        num_generations=4,
+        responses_per_prompt=4,
+        prompts_per_step=4,
+        searcher_batch_prompts=4,
+        max_new_tokens=8,
+        eos_in_logprob=True,
+        tb_clip_eps=0.3,
+        lr=3e-2,
+        max_grad_norm=0.0,
+    )
+    setup = SearcherSetup(0, cfg, tiny_examples(), digit_reward, None, None, None)
+    torch.manual_seed(0)
+    searcher = Searcher(setup)  # its engine loads the model the trainer starts from
+    trainer = Trainer(cfg, torch.device("cpu"), pad_id=searcher.pad_id, eos_id=searcher.eos_id)
+    trajectories, _ = searcher.search_once()
+    groups = [trajectories[i : i + 4] for i in range(0, len(trajectories), 4)]
+    assert all(t.behaviour_logprob is not None for t in trajectories)
+    fresh = trainer.backward(groups, 0.05)
+    assert fresh["offpolicy/rho_abs_mean"] < 1e-4
+    assert fresh["offpolicy/clip_frac"] == 0.0
+    assert fresh["offpolicy/ess"] == pytest.approx(1.0, abs=1e-6)
+    for _ in range(3):
+        trainer.update(groups)
+    stale = {}
+    grads = {}
+    for size in (0, 4):
+        trainer.cfg = dataclasses.replace(cfg, micro_batch_size=size)
+        trainer.model.zero_grad(set_to_none=True)
+        stale[size] = trainer.backward(groups, 0.05)
+        grads[size] = [p.grad.clone() for p in trainer.model.parameters()]
+    assert stale[0]["offpolicy/rho_abs_mean"] > 0.3
+    assert 0 < stale[0]["offpolicy/clip_frac"] < 1
+    assert stale[4]["offpolicy/clip_frac"] == stale[0]["offpolicy/clip_frac"]
+    assert stale[4]["loss/tb"] == pytest.approx(stale[0]["loss/tb"], rel=1e-5)
+    for a, b in zip(grads[0], grads[4], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
