@@ -30,7 +30,7 @@ from checks import print_summary, run_summary, weights_verdict
 from evaluate import EvalConfig, Evaluator, to_examples
 from rewards import gsm8k_gold, gsm8k_reward
 from tba import ConfigError, RunError, knob, load_causal_lm, run_cli
-from tiny import TINY_PRESET, tiny_task, tiny_warm_start
+from tiny import TINY_CHECKS, TINY_PRESET, tiny_task, tiny_warm_start
 
 REPO = Path(__file__).resolve().parent
 
@@ -134,7 +134,7 @@ def choose_preset(name: str) -> tuple[str, dict]:
         other = "tiny" if name == "paper" else "paper"
         print(f"preset: {name} ({why}); choose the other with --preset {other}")
     if name == "tiny":
-        return name, dict(TINY_PRESET)
+        return name, dict(TINY_PRESET, **TINY_CHECKS)
     values = dict(PAPER_PRESET, **(SMOKE_PRESET if name == "smoke" else {}))
     values.update(launch.gpu_placement(gpus))
     return name, values

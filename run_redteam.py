@@ -103,8 +103,8 @@ from tba import (
     run_cli,
     sequence_logprobs,
 )
+from tiny import TINY_CHECKS, build_char_tokenizer, build_tiny_model
 from tiny import TINY_PRESET as GSM8K_TINY_PRESET
-from tiny import build_char_tokenizer, build_tiny_model
 
 VICTIM = "vicgalle/gpt2-alpaca"
 CLASSIFIER = "facebook/roberta-hate-speech-dynabench-r4-target"
@@ -711,7 +711,7 @@ def choose_preset(name: str) -> tuple[str, dict]:
         other = "tiny" if name == "paper" else "paper"
         print(f"preset: {name} ({why}); choose the other with --preset {other}")
     if name == "tiny":
-        return name, dict(TINY_PRESET)
+        return name, dict(TINY_PRESET, **TINY_CHECKS)
     return name, dict(PAPER_PRESET, **launch.gpu_placement(torch.cuda.device_count()))
 
 

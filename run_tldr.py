@@ -63,7 +63,7 @@ from tba import (
     run_cli,
     sequence_logprobs,
 )
-from tiny import TINY_MODEL, build_char_tokenizer, build_tiny_model, cpu_config
+from tiny import TINY_CHECKS, TINY_MODEL, build_char_tokenizer, build_tiny_model, cpu_config
 from tiny import TINY_PRESET as GSM8K_TINY_PRESET
 
 REPO = Path(__file__).resolve().parent
@@ -747,7 +747,7 @@ def choose_preset(name: str) -> tuple[str, dict]:
         other = "tiny" if name == "paper" else "paper"
         print(f"preset: {name} ({why}); choose the other with --preset {other}")
     if name == "tiny":
-        return name, dict(TINY_PRESET)
+        return name, dict(TINY_PRESET, **TINY_CHECKS)
     return name, dict(PAPER_PRESET, **launch.gpu_placement(gpus))
 
 

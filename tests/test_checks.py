@@ -90,6 +90,25 @@ def test_smoke_preset_reports_step_time_memory_mop_and_lag(tiny_model_dir, tmp_p
     assert child_pids() == []
 
 
+def test_a_check_not_asked_for_is_not_reported(capsys):
+    """The summary's last line is the weights verdict only when --parity_check made one."""
+    summary = dict(
+        steps=3,
+        seconds_per_step_median=0.1,
+        initial_fill_s=0.0,
+        peak_memory_gb={"trainer": 0.5},
+        mop_frac=0.95,
+        mop_prob=0.95,
+        lag_mean=1.0,
+        lag_max=1,
+    )
+    checks.print_summary(summary)
+    printed = capsys.readouterr().out
+    assert "weights" not in printed and "checked" not in printed
+    checks.print_summary(dict(summary, weights="weights reached every searcher (...)"))
+    assert capsys.readouterr().out.splitlines()[-1] == "weights reached every searcher (...)"
+
+
 def test_weights_verdict_names_what_was_not_confirmed(tmp_path):
     rows = [
         {"step": 1, "searcher0/version": 0.0, "searcher1/version": 0.0},
