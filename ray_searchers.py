@@ -62,7 +62,7 @@ import torch
 from buffer import Trajectory
 from searcher import Batch, Searcher, SearcherSetup, WeightsNotLoaded
 from tba import RunError, TBAConfig, knob, need, run_cli
-from trainer import Parts, SearcherFailed
+from trainer import Parts, SearcherFailed, prompt_shards, searcher_metrics
 
 REPO_DIR = Path(__file__).resolve().parent
 # What a searcher needs of this directory on another node: the code. Ray's upload honours
@@ -356,11 +356,7 @@ class RaySearcherPool:
             model=_absolute(cfg.model),
             ref_model=_absolute(cfg.ref_model),
         )
-        shards = [examples[r :: cfg.num_searchers] for r in range(cfg.num_searchers)]
-        if any(not shard for shard in shards):
-            raise ValueError(
-                f"{len(examples)} prompts cannot be split over {cfg.num_searchers} searchers"
-            )
+        shards = prompt_shards(examples, cfg.num_searchers)
         self.setups = [
             SearcherSetup(
                 rank=rank,
@@ -573,17 +569,7 @@ class RaySearcherPool:
             }
             if put_s:
                 out["time/ray_put"] = statistics.fmean(put_s)
-            if arrived:
-                out["time/generate"] = statistics.fmean(s.generate_s for s in arrived)
-                out["time/reward"] = statistics.fmean(s.reward_s for s in arrived)
-                out["time/reference"] = statistics.fmean(s.reference_s for s in arrived)
-                out["time/load"] = statistics.fmean(s.load_s for s in arrived)
-            for rank, latest in sorted(self.latest.items()):
-                out[f"searcher{rank}/busy_frac"] = latest.busy_frac
-                out[f"searcher{rank}/version"] = float(latest.version)
-                out[f"searcher{rank}/peak_mem_gb"] = latest.peak_mem_gb
-                for name, value in latest.gauges.items():
-                    out[f"searcher{rank}/{name}"] = value
+            out.update(searcher_metrics(arrived, self.latest))
             return out
 
     def where(self, timeout: float = 30.0) -> dict[int, dict]:

@@ -393,6 +393,34 @@ class SearcherFailed(RunError):
     not fit): the trainer's side of it says only that the message arrived."""
 
 
+def prompt_shards(examples: list, num_searchers: int) -> list[list]:
+    """Disjoint shards of the prompts, one per searcher: two searchers never generate for the
+    same prompt at once."""
+    shards = [examples[r::num_searchers] for r in range(num_searchers)]
+    if any(not shard for shard in shards):
+        raise ValueError(f"{len(examples)} prompts cannot be split over {num_searchers} searchers")
+    return shards
+
+
+def searcher_metrics(arrived: list, latest: dict) -> dict[str, float]:
+    """The searchers' side of a step's metrics, for any pool: the mean timings of the batch
+    statistics that ``arrived`` since the last step (present only when some did), and what each
+    rank last reported (``latest``: rank -> its newest statistics)."""
+    out = {}
+    if arrived:
+        out["time/generate"] = statistics.fmean(s.generate_s for s in arrived)
+        out["time/reward"] = statistics.fmean(s.reward_s for s in arrived)
+        out["time/reference"] = statistics.fmean(s.reference_s for s in arrived)
+        out["time/load"] = statistics.fmean(s.load_s for s in arrived)
+    for rank, stats in sorted(latest.items()):
+        out[f"searcher{rank}/busy_frac"] = stats.busy_frac
+        out[f"searcher{rank}/version"] = float(stats.version)
+        out[f"searcher{rank}/peak_mem_gb"] = stats.peak_mem_gb
+        for name, value in stats.gauges.items():
+            out[f"searcher{rank}/{name}"] = value
+    return out
+
+
 class SearcherPool:
     """Starts, watches, restarts and stops the searcher processes, and collects what they send:
     trajectories for the buffer, and statistics for the metrics. ``collect`` runs on the intake
@@ -414,12 +442,7 @@ class SearcherPool:
         self.ctx = mp.get_context("spawn")
         self.queue = self.ctx.Queue(maxsize=cfg.queue_size)
         self.stop_event = self.ctx.Event()
-        # Disjoint shards: two searchers never generate for the same prompt at once.
-        shards = [examples[r :: cfg.num_searchers] for r in range(cfg.num_searchers)]
-        if any(not shard for shard in shards):
-            raise ValueError(
-                f"{len(examples)} prompts cannot be split over {cfg.num_searchers} searchers"
-            )
+        shards = prompt_shards(examples, cfg.num_searchers)
         self.setups = [
             SearcherSetup(
                 rank=rank,
@@ -534,17 +557,7 @@ class SearcherPool:
             }
             with contextlib.suppress(NotImplementedError):  # qsize is missing on macOS
                 out["async/queue_depth"] = float(self.queue.qsize())
-            if arrived:
-                out["time/generate"] = statistics.fmean(s.generate_s for s in arrived)
-                out["time/reward"] = statistics.fmean(s.reward_s for s in arrived)
-                out["time/reference"] = statistics.fmean(s.reference_s for s in arrived)
-                out["time/load"] = statistics.fmean(s.load_s for s in arrived)
-            for rank, latest in sorted(self.latest.items()):
-                out[f"searcher{rank}/busy_frac"] = latest.busy_frac
-                out[f"searcher{rank}/version"] = float(latest.version)
-                out[f"searcher{rank}/peak_mem_gb"] = latest.peak_mem_gb
-                for name, value in latest.gauges.items():
-                    out[f"searcher{rank}/{name}"] = value
+            out.update(searcher_metrics(arrived, self.latest))
             return out
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -38,7 +38,14 @@ from test_tba import digit_reward, tiny_examples, traj
 from tiny import (
     cpu_config,
 )
-from trainer import Intake, SearcherFailed, SearcherPool, Trainer
+from trainer import Intake, SearcherFailed, SearcherPool, Trainer, prompt_shards
+
+
+def test_prompt_shards_are_disjoint_and_cover_every_prompt():
+    shards = prompt_shards(list(range(10)), 3)
+    assert shards == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
+    with pytest.raises(ValueError, match="2 prompts cannot be split over 3 searchers"):
+        prompt_shards([0, 1], 3)
 
 
 def test_trainer_with_max_train_lag_waits_for_young_data_and_counts_lags(tiny_model_dir):
