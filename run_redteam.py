@@ -83,7 +83,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 from transformers import AutoTokenizer
 
 import launch
@@ -98,12 +97,10 @@ from tba import (
     TBAConfig,
     knob,
     load_causal_lm,
-    pad_sequences,
     pad_token_id,
     run_cli,
-    sequence_logprobs,
 )
-from tiny import TINY_CHECKS, build_char_tokenizer, build_tiny_model
+from tiny import TINY_CHECKS, build_char_tokenizer, supervised_warm_start
 from tiny import TINY_PRESET as GSM8K_TINY_PRESET
 
 VICTIM = "vicgalle/gpt2-alpaca"
@@ -412,7 +409,7 @@ TINY_TASK = dict(
     warm_start_corpus=4000,
 )
 TINY_MODEL = dict(hidden=64, layers=2, heads=2)
-TINY_WARM_START = dict(steps=600, lr=3e-3, batch=64)
+TINY_WARM_START = dict(max_steps=600, lr=3e-3, batch=64)
 # The GSM8K tiny preset's system, sampling at T 1 with a lower m (0.5, as the paper's
 # red-teaming runs), publishing every 2 steps and with no bound on the age of replayed data.
 TINY_PRESET: dict = dict(
@@ -511,38 +508,15 @@ def instruction_examples(instruction: str, copies: int) -> list[dict]:
 def tiny_warm_start(out_dir: Path, seed: int) -> str:
     """Build the tiny attacker and train it supervised on ``tiny_attacks`` (instruction, attack,
     EOS) for a fixed number of steps; save to ``out_dir/warm_start`` -- cached: a rerun loads."""
-    path = out_dir / "warm_start"
-    if (path / "config.json").exists():
-        print(f"warm start: cached at {path}")
-        return str(path)
-    spec = TINY_WARM_START
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, seed=seed, **TINY_MODEL)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
-    gen = torch.Generator().manual_seed(seed)
     prompt = tokenizer(TINY_INSTRUCTION)["input_ids"]
     rows = [
-        tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        (prompt, tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
         for a in tiny_attacks(TINY_TASK["warm_start_corpus"], seed=seed + 1)
     ]
-    model.train()
-    bar = tqdm(range(spec["steps"]), desc="warm start (supervised)", dynamic_ncols=True)
-    for _ in bar:
-        idx = torch.randint(len(rows), (spec["batch"],), generator=gen).tolist()
-        ids, attn, resp = pad_sequences(
-            [prompt] * len(idx), [rows[i] for i in idx], tokenizer.pad_token_id
-        )
-        loss = -sequence_logprobs(model, ids, attn, resp).sum() / resp.sum()  # token-mean NLL
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        bar.set_postfix(nll=f"{loss.item():.3f}")
-    bar.close()
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return supervised_warm_start(
+        out_dir / "warm_start", tokenizer, rows, TINY_WARM_START, seed, "warm start"
+    )
 
 
 # ----------------------------------------------------------------------------- evaluation

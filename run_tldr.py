@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 from transformers import AutoTokenizer
 
 import launch
@@ -63,7 +62,13 @@ from tba import (
     run_cli,
     sequence_logprobs,
 )
-from tiny import TINY_CHECKS, TINY_MODEL, build_char_tokenizer, build_tiny_model, cpu_config
+from tiny import (
+    TINY_CHECKS,
+    answer_rows,
+    build_char_tokenizer,
+    supervised_warm_start,
+    tiny_evaluator,
+)
 from tiny import TINY_PRESET as GSM8K_TINY_PRESET
 
 REPO = Path(__file__).resolve().parent
@@ -263,7 +268,7 @@ GOLD_COSTS = dict(per_word=0.5, not_in_post=1.0)
 # lead_i = lead_bonus for the first lead_words words of the post (the lead bias).
 HUMAN = dict(lead_words=2, lead_bonus=0.5, noise=0.05)
 LABEL_NOISE = 0.1  # labellers prefer a with probability sigmoid((gold_a - gold_b) / noise)
-TINY_SFT = dict(max_steps=1200, lr=3e-3, batch=32, check_every=100, target_valid=0.9, val=100)
+TINY_SFT = dict(max_steps=1200, lr=3e-3, batch=32, check_every=100, target=0.9, val=100)
 
 # The GSM8K tiny preset's system (one searcher, publish every step, data at most one version
 # old) with a higher lr (5e-4: 2e-4 moved the greedy summaries too little in 250 steps) and the
@@ -659,51 +664,25 @@ def tiny_sft(out_dir: Path, train: list[dict], val: list[dict], seed: int) -> st
     """The SFT warm start of TL;DR tiny: the tiny char-level Llama trained on the reference
     summaries until nearly all its greedy validation summaries name only post words; saved to
     ``out_dir/sft`` (cached: a rerun loads)."""
-    path = out_dir / "sft"
-    if (path / "config.json").exists():
-        print(f"SFT warm start: cached at {path}")
-        return str(path)
-    spec = TINY_SFT
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, seed=seed, **TINY_MODEL)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
-    gen = torch.Generator().manual_seed(seed)
-    rows = [
-        (
-            tokenizer(ex["prompt"])["input_ids"],
-            tokenizer(ex["reference"], add_special_tokens=False)["input_ids"]
-            + [tokenizer.eos_token_id],
-        )
-        for ex in train
-    ]
-    cfg = cpu_config("", max_new_tokens=TINY_PRESET["max_new_tokens"])
-    evaluator = Evaluator(cfg, EvalConfig(eval_batch_size=100), tokenizer)
-    bar = tqdm(range(spec["max_steps"]), desc="SFT warm start", dynamic_ncols=True)
-    for step in bar:
-        idx = torch.randint(len(rows), (spec["batch"],), generator=gen).tolist()
-        ids, attn, resp = pad_sequences(
-            [rows[i][0] for i in idx], [rows[i][1] for i in idx], tokenizer.pad_token_id
-        )
-        model.train()
-        loss = -sequence_logprobs(model, ids, attn, resp).sum() / resp.sum()  # token-mean NLL
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if (step + 1) % spec["check_every"] == 0:
-            answers = evaluator.answers(model, val, 1, True, "SFT validation")
-            valid = sum(
-                bool(a[0].split()) and all(w in ex["post_words"] for w in a[0].split())
-                for a, ex in zip(answers, val, strict=True)
-            ) / len(val)
-            bar.set_postfix(nll=f"{loss.item():.3f}", valid=f"{valid:.2f}")
-            if valid >= spec["target_valid"]:
-                break
-    bar.close()
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    evaluator = tiny_evaluator(tokenizer, TINY_PRESET)  # TL;DR's summary length
+
+    def valid(model) -> float:  # the share of greedy summaries made only of post words
+        answers = evaluator.answers(model, val, 1, True, "SFT validation")
+        return sum(
+            bool(a[0].split()) and all(w in ex["post_words"] for w in a[0].split())
+            for a, ex in zip(answers, val, strict=True)
+        ) / len(val)
+
+    return supervised_warm_start(
+        out_dir / "sft",
+        tokenizer,
+        answer_rows(tokenizer, train, "reference"),
+        TINY_SFT,
+        seed,
+        "SFT warm start",
+        check=valid,
+    )
 
 
 def tiny_reward_model(out_dir: Path) -> tuple[ProxyRewardModel, float]:

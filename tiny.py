@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import random
 import string
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -197,53 +198,83 @@ def cpu_config(model: str, **overrides) -> TBAConfig:
 # ----------------------------------------------------------------------------- warm start
 
 
-def tiny_warm_start(out_dir: Path, train: list[dict], val: list[dict], seed: int) -> str:
-    """Build the tiny model and tokenizer, train them supervised on worked answers until the
-    validation accuracy reaches the target, and save them to ``out_dir/warm_start`` -- cached:
-    a rerun loads instead of training again."""
-    path = out_dir / "warm_start"
+def supervised_warm_start(
+    path: Path,
+    tokenizer,
+    rows: list[tuple[list[int], list[int]]],
+    spec: dict,
+    seed: int,
+    desc: str,
+    check: Callable[[torch.nn.Module], float] | None = None,
+) -> str:
+    """The tiny Llama over ``tokenizer`` trained supervised on ``rows`` (prompt ids, response ids
+    ending in EOS): token-mean NLL of ``spec["batch"]`` rows a step, AdamW at ``spec["lr"]``,
+    gradients clipped to 1.0, for at most ``spec["max_steps"]`` steps. With ``check`` (the
+    model -> a validation score), every ``spec["check_every"]`` steps (``check_every_near`` once
+    the score reaches ``near``) until the score reaches ``spec["target"]``. Saved to ``path`` --
+    cached: a rerun loads instead of training again. Every tiny job's warm start is this."""
     if (path / "config.json").exists():
-        print(f"warm start: cached at {path}")
+        print(f"{desc}: cached at {path}")
         return str(path)
-    spec = TINY_WARM_START
-    tokenizer = build_char_tokenizer()
     model = build_tiny_model(tokenizer, seed=seed, **TINY_MODEL)
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"])
     gen = torch.Generator().manual_seed(seed)
-    rows = [
-        (
-            tokenizer(ex["prompt"])["input_ids"],
-            tokenizer(ex["answer"], add_special_tokens=False)["input_ids"]
-            + [tokenizer.eos_token_id],
-        )
-        for ex in train
-    ]
-    cfg = cpu_config("", max_new_tokens=TINY_PRESET["max_new_tokens"])
-    evaluator = Evaluator(
-        cfg, EvalConfig(eval_batch_size=TINY_PRESET["eval_batch_size"]), tokenizer
-    )
-    bar = tqdm(range(spec["max_steps"]), desc="warm start (supervised)", dynamic_ncols=True)
-    acc = 0.0
+    bar = tqdm(range(spec["max_steps"]), desc=desc, dynamic_ncols=True)
+    score = 0.0
     for step in bar:
         idx = torch.randint(len(rows), (spec["batch"],), generator=gen).tolist()
         ids, attn, resp = pad_sequences(
             [rows[i][0] for i in idx], [rows[i][1] for i in idx], tokenizer.pad_token_id
         )
-        model.train()
+        model.train()  # check() evaluates in eval mode
         loss = -sequence_logprobs(model, ids, attn, resp).sum() / resp.sum()  # token-mean NLL
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if (step + 1) % (
-            spec["check_every_near"] if acc >= spec["near"] else spec["check_every"]
-        ) == 0:
-            acc = evaluator.accuracy(model, val, "warm start validation")
-            bar.set_postfix(nll=f"{loss.item():.3f}", val_acc=f"{acc:.2f}")
-            if acc >= spec["target"]:
+        bar.set_postfix(nll=f"{loss.item():.3f}", check=f"{score:.2f}")
+        if check is None:
+            continue
+        near = score >= spec.get("near", float("inf"))
+        if (step + 1) % (spec["check_every_near"] if near else spec["check_every"]) == 0:
+            score = check(model)
+            if score >= spec["target"]:
                 break
     bar.close()
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def answer_rows(tokenizer, examples: list[dict], key: str) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, ids of ``example[key]`` + EOS) of each example: supervised_warm_start's rows."""
+    return [
+        (
+            tokenizer(ex["prompt"])["input_ids"],
+            tokenizer(ex[key], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
+        )
+        for ex in examples
+    ]
+
+
+def tiny_evaluator(tokenizer, preset: dict = TINY_PRESET) -> Evaluator:
+    """The evaluator of a tiny preset's greedy answers (its answer length and batch)."""
+    cfg = cpu_config("", max_new_tokens=preset["max_new_tokens"])
+    return Evaluator(cfg, EvalConfig(eval_batch_size=preset["eval_batch_size"]), tokenizer)
+
+
+def tiny_warm_start(out_dir: Path, train: list[dict], val: list[dict], seed: int) -> str:
+    """The GSM8K tiny warm start: supervised on worked answers until greedy accuracy on ``val``
+    reaches TINY_WARM_START["target"]; in ``out_dir/warm_start`` (cached)."""
+    tokenizer = build_char_tokenizer()
+    evaluator = tiny_evaluator(tokenizer)
+    return supervised_warm_start(
+        out_dir / "warm_start",
+        tokenizer,
+        answer_rows(tokenizer, train, "answer"),
+        TINY_WARM_START,
+        seed,
+        "warm start",
+        check=lambda model: evaluator.accuracy(model, val, "warm start validation"),
+    )

@@ -99,9 +99,10 @@ def session_pids(sid: int) -> list[int]:
     return [pid for pid, fields, _ in proc_stats() if int(fields[3]) == sid and fields[0] != "Z"]
 
 
-def start_cli_run(model_dir: str, out: Path, *extra: str) -> subprocess.Popen:
-    args = [
-        sys.executable,
+def small_tiny_job(model_dir: str, out: Path, prompts_per_step: int = 4) -> list[str]:
+    """run_gsm8k.py's flags for a fast tiny run from ``model_dir``: 4 x 4 responses a step, short
+    answers, no evaluation, one thread (the script and interpreter are the caller's)."""
+    return [
         str(REPO / "run_gsm8k.py"),
         "--preset",
         "tiny",
@@ -114,7 +115,7 @@ def start_cli_run(model_dir: str, out: Path, *extra: str) -> subprocess.Popen:
         "--eval_samples",
         "0",
         "--prompts_per_step",
-        "4",
+        str(prompts_per_step),
         "--searcher_batch_prompts",
         "4",
         "--num_generations",
@@ -127,8 +128,11 @@ def start_cli_run(model_dir: str, out: Path, *extra: str) -> subprocess.Popen:
         "12",
         "--torch_threads",
         "1",
-        *extra,
     ]
+
+
+def start_cli_run(model_dir: str, out: Path, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, *small_tiny_job(model_dir, out), *extra]
     return subprocess.Popen(
         args,
         cwd=REPO,

@@ -24,7 +24,7 @@ import grpo
 from buffer import Trajectory
 from data_parallel import DataParallelConfig, Ranks, full_tensor, rank_device
 from grpo import GRPOConfig
-from helpers import REPO, free_port, proc_stats, time_limit, wait_for_rows
+from helpers import REPO, free_port, proc_stats, small_tiny_job, time_limit, wait_for_rows
 from tba import (
     TBAConfig,
     scored_tokens,
@@ -235,35 +235,11 @@ def start_dp_run(model_dir: str, out: Path, *extra: str) -> subprocess.Popen:
         "127.0.0.1",
         "--master-port",
         str(free_port()),
-        str(REPO / "run_gsm8k.py"),
-        "--preset",
-        "tiny",
-        "--model",
-        model_dir,
-        "--output_dir",
-        str(out),
-        "--eval_every",
-        "0",
-        "--eval_samples",
-        "0",
+        *small_tiny_job(model_dir, out, prompts_per_step=3),  # 3 groups: a 2 + 1 split
         "--eval_test_size",
         "4",
         "--eval_subset",
         "4",
-        "--prompts_per_step",
-        "3",
-        "--searcher_batch_prompts",
-        "4",
-        "--num_generations",
-        "4",
-        "--responses_per_prompt",
-        "4",
-        "--initial_samples",
-        "16",
-        "--max_new_tokens",
-        "12",
-        "--torch_threads",
-        "1",
         "--timeout_s",
         "60",
         *extra,

@@ -35,12 +35,12 @@ import ray
 import torch
 
 import ray_searchers
+import test_tba
 from checks import CheckedSearcher, ParityProbe, weights_checksum
-from evaluate import to_examples
 from helpers import REPO, start_cli_run, time_limit
 from rewards import gsm8k_reward
 from tba import WeightStore, load_causal_lm, pad_token_id
-from tiny import cpu_config, synthetic_problems
+from test_tba import tiny_examples
 
 pytestmark = pytest.mark.slow  # a Ray cluster of four raylets on this machine, for the module
 
@@ -197,32 +197,12 @@ def cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def tiny_examples(n: int = 24) -> list[dict]:
-    return to_examples(synthetic_problems(n, seed=0))
-
-
 def tiny_cfg(model_dir: str, out: Path, **overrides):
-    """test_tba.py's tiny_cfg, with restarts to spare."""
-    values = dict(
-        num_searchers=2,
-        num_generations=4,
-        responses_per_prompt=4,
-        prompts_per_step=2,
-        searcher_batch_prompts=2,
-        max_new_tokens=10,
-        lr=3e-3,
-        warmup_steps=1,
-        total_steps=24,
-        initial_samples=8,
-        sync_every=2,
-        beta_start=1.0,
-        beta_end=1.0,
-        output_dir=str(out),
-        timeout_s=240,  # an actor's start (Python, torch, transformers, the models) on 2 busy cores
-        max_searcher_restarts=2,
-    )
+    """test_tba.py's tiny_cfg, with restarts to spare and time for an actor's start (Python,
+    torch, transformers, the models) on 2 busy cores."""
+    values = dict(timeout_s=240, max_searcher_restarts=2)
     values.update(overrides)
-    return cpu_config(model_dir, **values)
+    return test_tba.tiny_cfg(model_dir, out, **values)
 
 
 class Publisher:
