@@ -19,6 +19,14 @@ inside line up. Sharded, every forward and backward gathers layers with every ra
 rank runs as many passes as the rank with the largest share; a rank with fewer makes up the
 difference with passes that carry no gradient (``DataParallelTrainer.micro_batches``).
 
+How a run ends, in this order on every rank (OPERATIONS.md, "Shutting down", has every launch
+path): rank 0's ``run_tba`` stops its intake thread and its searchers and writes the checkpoint;
+``finish`` gathers the whole model (sharded) and tells the other ranks to stop; each rank's
+trainer lets go of the group (``DataParallelTrainer.release``); ``Ranks.close`` destroys the
+group and waits until its backend's threads have ended; only then does the process exit. A
+backend still alive at exit is torn down by C++ static destructors after the interpreter, the
+one-in-seven abort this order prevents (``Ranks.close`` says how it stayed alive).
+
 The extension: ``DataParallelConfig``, ``Ranks`` (this process among the trainer's ranks),
 ``DataParallelTrainer`` (installed by ``install``), ``follow`` (the loop of ranks > 0) and
 ``finish`` (rank 0's end of a run).
@@ -30,6 +38,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import gc
 import math
 import os
 from collections.abc import Callable
@@ -189,11 +198,36 @@ class Ranks:
             )
 
     def close(self) -> None:
-        """Leave the process group (the end of a run)."""
+        """Leave the process group, and end its backend's threads now (the end of a run).
+
+        ``destroy_process_group`` unregisters the group, but its backend (gloo: an I/O thread and
+        two workers) lives while anything holds it. Under FSDP2 something always does: DTensor
+        caches its sharding decisions in a C++ table for the life of the process, whose keys
+        hold the device mesh, which holds the group. The backend then outlived the interpreter
+        and was destroyed by C++ static destructors at exit, racing the library teardown: rank
+        1 aborted there in about one finished run in seven ("terminate called without an active
+        exception", torchrun exits 1). The meshes' groups dropped (``release_meshes``), DDP's
+        wrapper let go (``DataParallelTrainer.release``; a rank > 0's trainer is dropped once
+        ``follow`` returns) and garbage collected, the threads end here, while the process is
+        whole."""
         dist.destroy_process_group()
+        release_meshes()
+        gc.collect()
 
     def _object_device(self) -> torch.device | None:
         return self.device if self.device.type == "cuda" else None
+
+
+def release_meshes() -> None:
+    """Make every device mesh still alive drop the process groups it holds (``Ranks.close``).
+    DTensor keeps meshes in caches for the life of the process (a C++ table of its sharding
+    decisions, the redistribution planner, the mesh topology), and each mesh keeps its groups
+    by name; a destroyed group is of no use to a mesh, and no cache then holds a backend."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            getattr(obj, "_pg_registry", {}).clear()
 
 
 def rank_device(trainer_device: str, local_rank: int) -> torch.device:
@@ -457,6 +491,11 @@ class DataParallelTrainer(Trainer):
                 raise
             tqdm.write(f"{e}\n(no checkpoint: the weights are sharded over the ranks)")
 
+    def release(self) -> None:
+        """The run has ended: let go of DDP's wrapper, whose reducer holds the process group, so
+        that ``Ranks.close`` ends the group's threads. The trainer trains no more."""
+        self.ddp = None
+
     def _gather(self, fetch, what: str) -> dict:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         try:
@@ -504,13 +543,15 @@ def follow(ranks: Ranks, trainer_for: Callable[[TBAConfig], type[Trainer]]) -> T
     while (message := ranks.receive()) is not None:
         name, args = message
         getattr(trainer, name)(*args)
+    trainer.release()
     return trainer
 
 
 def finish(ranks: Ranks, trainer: Trainer | None) -> None:
     """Rank 0 at the end of its run: sharded, the whole trained model gathered into
     ``trainer.model`` (for the job's last evaluation and ``save_pretrained``); then the other
-    ranks told to stop (a rank that died cannot be told; torchrun ends the rest)."""
+    ranks told to stop (a rank that died cannot be told; torchrun ends the rest); then the
+    trainer lets go of the process group (``release``), which ``Ranks.close`` destroys next."""
     try:
         if trainer is not None and trainer.sharded:
             trainer.model = trainer.whole_model()
@@ -518,3 +559,5 @@ def finish(ranks: Ranks, trainer: Trainer | None) -> None:
         ranks.send(None)
     except RanksFailed as e:
         tqdm.write(f"{e}\n(the other ranks could not be told to stop)")
+    if trainer is not None:
+        trainer.release()

@@ -87,6 +87,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -882,7 +883,23 @@ def run_cli(main: Callable[[list[str]], object], argv: list[str] | None = None) 
     def terminate(signum, frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
+    def unraisable(hook_args) -> None:
+        # A signal's KeyboardInterrupt raised inside a callback that cannot raise (a weakref
+        # callback, a __del__: freeing torch.distributed's objects runs many) would be printed
+        # as "Exception ignored" and dropped, and the job would run on. Send the signal again,
+        # from a thread a moment later, so that its handler runs outside the callback (and
+        # outside this hook, whose own exceptions are dropped too).
+        if isinstance(hook_args.exc_value, KeyboardInterrupt):
+            name = str(hook_args.exc_value)
+            signum = signal.Signals[name] if name in SIGNAL_NAMES else signal.SIGINT
+            again = threading.Timer(0.05, os.kill, (os.getpid(), signum))
+            again.daemon = True
+            again.start()
+        else:
+            previous_hook(hook_args)
+
     previous = signal.signal(signal.SIGTERM, terminate)  # run_tba sets its own while it runs
+    previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
     try:
         main(sys.argv[1:] if argv is None else argv)
     except RunError as error:
@@ -900,4 +917,8 @@ def run_cli(main: Callable[[list[str]], object], argv: list[str] | None = None) 
         return 128 + signal.Signals[said.split()[2]].value
     finally:
         signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = previous_hook
     return 0
+
+
+SIGNAL_NAMES = ("SIGINT", "SIGTERM")  # the signals whose handlers raise KeyboardInterrupt

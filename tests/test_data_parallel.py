@@ -148,6 +148,17 @@ def _dp_rank(
     dp = Lockstep.from_env("cpu", timeout_s=60)
     out_queue.put((rank, pickle.dumps(dp_results(model_dir, dp, fsdp))))  # tensors by value
     dp.close()
+    out_queue.put((rank, backend_threads()))
+
+
+def backend_threads() -> list[str]:
+    """The names of this process's threads that belong to a gloo process group (its I/O loop and
+    its workers), read from /proc."""
+    names = [
+        Path(f"/proc/self/task/{task}/comm").read_text().strip()
+        for task in os.listdir("/proc/self/task")
+    ]
+    return sorted(name for name in names if "gloo" in name)
 
 
 def test_rank_device_maps_local_ranks_to_devices():
@@ -177,7 +188,9 @@ def test_two_data_parallel_ranks_equal_one_rank(tiny_model_dir, fsdp):
     rank on the same batch, for TB and GRPO, with P = 3 split 2 + 1 and P = 4 split 2 + 2, and
     the same weights after 3 AdamW steps, on both ranks; replicated (DDP) or sharded (FSDP2,
     gradients and weights gathered; rank 0 publishes the whole weights, rank 1 none, and a
-    checkpoint round trip, AdamW moments included, gives the 4th step of 1 rank's round trip)."""
+    checkpoint round trip, AdamW moments included, gives the 4th step of 1 rank's round trip).
+    Once a rank has closed its group, none of the group's threads is left in it: a backend
+    alive at exit is torn down after the interpreter, where FSDP's rank 1 used to abort."""
     with time_limit(120):
         want = dp_results(tiny_model_dir)
         ctx = multiprocessing.get_context("spawn")
@@ -194,10 +207,12 @@ def test_two_data_parallel_ranks_equal_one_rank(tiny_model_dir, fsdp):
                 rank: pickle.loads(data)
                 for rank, data in (out_queue.get(timeout=100) for _ in procs)
             }
+            left = dict(out_queue.get(timeout=30) for _ in procs)
         finally:
             for proc in procs:
                 proc.join(timeout=10)
                 proc.kill()
+    assert left == {0: [], 1: []}, f"process-group threads alive after close: {left}"
     first = list(dp_trainer(tiny_model_dir, "tb", 3, 3).model.parameters())
     for case, want_case in enumerate(want):
         moved = max(
@@ -210,15 +225,23 @@ def test_two_data_parallel_ranks_equal_one_rank(tiny_model_dir, fsdp):
                 assert mine["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
             for a, b in zip(mine["grads"], want_case["grads"], strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-            for a, b in zip(mine["weights"], want_case["weights"], strict=True):
-                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+            assert_same_steps(mine["weights"], want_case["weights"], first)
         if fsdp:
             for rank in (0, 1):
-                for a, b in zip(got[rank][case]["resumed"], want_case["resumed"], strict=True):
-                    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+                assert_same_steps(got[rank][case]["resumed"], want_case["resumed"], first)
             assert got[1][case]["published"] == []
-            for a, b in zip(got[0][case]["published"], want_case["weights"], strict=True):
-                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+            assert_same_steps(got[0][case]["published"], want_case["weights"], first)
+
+
+def assert_same_steps(got: list, want: list, start: list) -> None:
+    """Weights after AdamW steps agree, tensor by tensor, to 0.1% of how far they moved from
+    ``start``. Not element by element: AdamW divides each gradient by its own running size, so an
+    element whose gradient differs by rounding (two ranks sum in another order than one) can
+    move by a visibly different amount (seen on one x86-64 CPU and not on another: 2.4e-5 of a
+    0.03 move, 4e-5 of its tensor's move). A rank whose share went missing moves every tensor
+    by a different amount, tens of percent."""
+    for a, b, s in zip(got, want, start, strict=True):
+        assert (a - b).norm() <= 1e-3 * (b - s).norm() + 1e-7, (a - b).abs().max()
 
 
 def start_dp_run(model_dir: str, out: Path, *extra: str) -> subprocess.Popen:

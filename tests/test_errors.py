@@ -107,6 +107,53 @@ def test_interrupt_outside_training_says_so(capsys):
     )
 
 
+# A job whose teardown is slow inside a weakref callback (as freeing torch.distributed's and
+# FSDP's objects is), then works on: a signal that lands in the callback must still stop it.
+SIGNAL_IN_CALLBACK = """
+import gc, sys, time, weakref
+from tba import run_cli
+
+class Held:
+    pass
+
+def slow_callback(ref):
+    print("in callback", flush=True)
+    time.sleep(3)
+
+def main(argv):
+    held = Held()
+    keep = weakref.ref(held, slow_callback)
+    del held  # the callback runs here
+    time.sleep(30)  # the rest of the job, which a dropped signal would let finish
+
+sys.exit(run_cli(main, []))
+"""
+
+
+def test_signal_inside_a_callback_stops_the_job_in_one_line():
+    """SIGTERM that arrives while Python runs a weakref callback (where an exception cannot be
+    raised into the job: Python prints "Exception ignored" and drops it) still stops the job,
+    with one line and exit status 143, not a traceback and a job that runs on."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGNAL_IN_CALLBACK],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "TBA_DEBUG"},
+    )
+    try:
+        assert proc.stdout.readline().strip() == "in callback"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines() == [
+        "-c: stopped by SIGTERM outside training (no checkpoint was written then)"
+    ], err
+
+
 def test_searcher_failure_is_a_run_error():
     """A dead searcher's message is its own traceback, printed by run_cli without the trainer's
     (test_system checks the message itself)."""
