@@ -43,6 +43,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,12 @@ from trainer import Parts, Trainer
 class DataParallelConfig:
     """The data-parallel trainer's knobs (data_parallel.py; under torchrun only)."""
 
+    startup_timeout_s: float = knob(
+        3600.0,
+        "under torchrun, the longest wait of ranks > 0 for rank 0 to start training (its warm "
+        "start, the evaluation before training, the searchers' engines); after that every wait "
+        "is --timeout_s, which tells a dead rank",
+    )
     fsdp: bool = knob(
         False,
         "under torchrun, shard the trainer's weights, gradients and AdamW moments over the ranks "
@@ -103,11 +110,20 @@ class Ranks:
     local_rank: int
     device: torch.device
     timeout_s: float
+    # Rank 0's first message (the start of training, or the stop of a run that failed before)
+    # goes over a gloo group of its own whose collectives wait up to ``startup_timeout_s``:
+    # the wait a start-up needs is not the one that tells a dead rank. None: the default group.
+    startup: Any = None
+    startup_timeout_s: float = 0.0
+    started: bool = False  # rank 0's first message sent (rank 0) or received (the others)
 
     @classmethod
-    def from_env(cls, trainer_device: str, timeout_s: float) -> Ranks:
+    def from_env(
+        cls, trainer_device: str, timeout_s: float, startup_timeout_s: float | None = None
+    ) -> Ranks:
         """Join (or reuse) torchrun's default process group: NCCL for CUDA trainer devices, gloo
-        on CPU, every collective bounded by ``timeout_s``."""
+        on CPU, every collective bounded by ``timeout_s``. A group that exists already must be
+        torchrun's whole world (a RuntimeError otherwise: never train alone unawares)."""
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         device = rank_device(trainer_device, local_rank)
         if device.type == "cuda":
@@ -117,7 +133,29 @@ class Ranks:
                 "nccl" if device.type == "cuda" else "gloo",
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
-        return cls(dist.get_rank(), dist.get_world_size(), local_rank, device, timeout_s)
+        elif dist.get_world_size() != world_size():
+            # An in-process vLLM engine built before the ranks joined leaves a one-process
+            # default group (vllm 0.33.0 distributed/parallel_state.py,
+            # init_distributed_environment): reused, every rank would train alone.
+            raise RuntimeError(
+                f"data parallel: this process already belongs to a process group of "
+                f"{dist.get_world_size()} process(es), not torchrun's {world_size()} (was a "
+                "vLLM engine built in this process before the ranks joined? build it in a "
+                "process of its own, as evaluate.EngineProcess does)"
+            )
+        startup_timeout_s = startup_timeout_s or timeout_s
+        startup = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=startup_timeout_s)
+        )  # every rank at once, here
+        return cls(
+            dist.get_rank(),
+            dist.get_world_size(),
+            local_rank,
+            device,
+            timeout_s,
+            startup,
+            startup_timeout_s,
+        )
 
     def share(self, count: int) -> range:
         """The indices of this rank's groups among ``count``: contiguous, sizes differ by at
@@ -134,33 +172,46 @@ class Ranks:
                 f"number of ranks ({self.world_size}): a group is never split (log Z is per prompt)"
             )
 
-    def failed(self, what: str, error: Exception) -> RanksFailed:
+    def failed(self, what: str, error: Exception, starting: bool = False) -> RanksFailed:
         if self.rank > 0:
             who = "rank 0"
         elif self.world_size == 2:
             who = "rank 1"
         else:
             who = f"one of ranks 1-{self.world_size - 1}"
+        wait = (
+            f"{self.startup_timeout_s:g}s (--startup_timeout_s)"
+            if starting
+            else f"{self.timeout_s:g}s (--timeout_s)"
+        )
         return RanksFailed(
             f"data parallel, rank {self.rank}: {what} failed; {who} died or did not answer "
-            f"within {self.timeout_s:g}s (timeout_s): {error}"
+            f"within {wait}: {error}"
         )
 
     def send(self, message) -> None:
-        """Rank 0: hand ``message`` to every other rank."""
+        """Rank 0: hand ``message`` to every other rank (the first over the start-up group)."""
+        starting, self.started = not self.started, True
         try:
-            dist.broadcast_object_list([message], src=0, device=self._object_device())
+            self._broadcast([message], starting)
         except RuntimeError as e:  # gloo raises RuntimeError, NCCL DistError (a subclass)
-            raise self.failed("handing out work", e) from e
+            raise self.failed("handing out work", e, starting) from e
 
     def receive(self):
-        """Ranks > 0: the next message of rank 0."""
+        """Ranks > 0: the next message of rank 0 (the first over the start-up group)."""
+        starting, self.started = not self.started, True
         box = [None]
         try:
-            dist.broadcast_object_list(box, src=0, device=self._object_device())
+            self._broadcast(box, starting)
         except RuntimeError as e:
-            raise self.failed("waiting for work", e) from e
+            raise self.failed("waiting for work", e, starting) from e
         return box[0]
+
+    def _broadcast(self, box: list, starting: bool) -> None:
+        if starting and self.startup is not None:
+            dist.broadcast_object_list(box, src=0, group=self.startup)  # gloo: CPU tensors
+        else:
+            dist.broadcast_object_list(box, src=0, device=self._object_device())
 
     def sum(self, values: list[float]) -> list[float]:
         """Each value summed over the ranks (fp64)."""
@@ -210,7 +261,8 @@ class Ranks:
         wrapper let go (``DataParallelTrainer.release``; a rank > 0's trainer is dropped once
         ``follow`` returns) and garbage collected, the threads end here, while the process is
         whole."""
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every group, the start-up group too
+        self.startup = None
         release_meshes()
         gc.collect()
 

@@ -2,21 +2,40 @@
 n sampled answers. The GSM8K job, the tiny task (GSM8K-format sums), the TL;DR job (whose
 evaluator generates the same way), the bench and the tests share it.
 
-On CUDA with vLLM installed the evaluator keeps a small vLLM engine beside the trainer and loads
-the trainer's weights into it before each evaluation; otherwise it wraps the trainer's model in
-the transformers engine (no copy, nothing to load).
+On CUDA with vLLM installed (or with ``--engine vllm``) the evaluator keeps a small vLLM engine
+beside the trainer, in a process of its own (``EngineProcess``), and loads the trainer's weights
+into it before each evaluation; otherwise it wraps the trainer's model in the transformers engine
+(no copy, nothing to load).
+
+Why a process of its own: an in-process vLLM engine joins torch.distributed. When the process
+already belongs to torchrun's group (rank 0 of a data-parallel trainer), vLLM builds its world
+group from that whole group with ``new_group``, which every rank must call, so rank 0 waits for
+the other ranks until the timeout (vllm 0.33.0 ``distributed/parallel_state.py``,
+``init_distributed_environment`` and ``GroupCoordinator.__init__``); built before the ranks join,
+it leaves a one-process default group behind, which the ranks would reuse and train alone. A
+spawned child has no group, as a searcher has none, and vLLM makes its own one-process group
+there.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import multiprocessing
+import queue as queue_lib
+import signal
+import time
+import traceback
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from rewards import gsm8k_reward
-from searcher import HFEngine, VLLMEngine, wants_vllm
-from tba import TBAConfig, knob, need, pad_token_id
+from searcher import HFEngine, VLLMEngine, WeightsNotLoaded, wants_vllm
+from tba import TBAConfig, WeightStore, knob, meta_causal_lm, need, pad_token_id
 
 PROMPT_TEMPLATE = "[MATH TASK] Problem:\n{question}\n\nSolution:\n"  # official TBA/VinePPO format
 
@@ -59,11 +78,170 @@ def distinct_n(texts: list[str], n: int) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
+# ----------------------------------------------------------------------------- the vLLM engine
+
+
+@dataclass
+class EngineSetup:
+    """What the evaluator's engine process is started with (pickled once, at spawn)."""
+
+    cfg: TBAConfig
+    device: str
+    eos_id: int
+    memory_utilization: float
+    store: WeightStore  # the weights to load, in shared memory, with the probe's log-prob
+    probe: Any  # checks.ParityProbe (--parity_check), or None
+    requests: Any  # a bounded queue: ("load",), ("generate", prompts, n, greedy), None to stop
+    # A bounded queue: ("ready",), ("loaded", version), ("outputs", outs), or ("failed",
+    # traceback, error message, whether the weights did not arrive: WeightsNotLoaded).
+    replies: Any
+
+
+def engine_main(setup: EngineSetup) -> None:
+    """The engine process: build the vLLM engine, then serve requests until told to stop or
+    the parent is gone. Any exception goes back as a ``failed`` reply, then exit 1."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns shutdown
+    try:
+        cfg = setup.cfg
+        torch.set_num_threads(cfg.threads_per_process())
+        device = torch.device(setup.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        engine = VLLMEngine(
+            cfg, device, setup.eos_id, cfg.seed, memory_utilization=setup.memory_utilization
+        )
+        setup.replies.put(("ready",), timeout=cfg.timeout_s)
+        while (request := _next_request(setup.requests)) is not None:
+            if request[0] == "load":
+                version, expected = setup.store.load_into(engine.load_weights)
+                if setup.probe is not None:
+                    setup.probe.check(engine, expected, "evaluator")
+                reply = ("loaded", version)
+            else:
+                _, prompts, n, greedy = request
+                reply = ("outputs", engine.generate(prompts, n, greedy=greedy))
+            setup.replies.put(reply, timeout=setup.cfg.timeout_s)
+    except BaseException as exc:  # noqa: BLE001 -- report all, then exit 1
+        text = traceback.format_exc()
+        try:
+            failed = ("failed", text, str(exc), isinstance(exc, WeightsNotLoaded))
+            setup.replies.put(failed, timeout=5.0)
+        except queue_lib.Full:
+            print(f"the evaluator's engine failed:\n{text}", flush=True)
+        raise SystemExit(1) from None
+    setup.replies.cancel_join_thread()  # nobody may read a last reply; never block the exit
+
+
+def _next_request(requests):
+    """The next request; None when told to stop, or when the parent is gone (never outlive it)."""
+    while multiprocessing.parent_process().is_alive():
+        try:
+            return requests.get(timeout=0.5)
+        except queue_lib.Empty:
+            continue
+    return None
+
+
+class EngineProcess:
+    """The evaluator's vLLM engine in a spawned process (the module docstring says why), with
+    the engine's ``generate`` and a load of a model's weights. The weights travel through a
+    ``tba.WeightStore`` in shared CPU memory, as they do to searchers: an evaluation happens a
+    few times a run, and the copy through host memory keeps a second copy of the weights off
+    the trainer's GPU. Every wait is bounded by ``cfg.timeout_s`` and ends early when the
+    process dies; the process ends with ``close`` (also at exit), or when its parent is gone."""
+
+    def __init__(
+        self, cfg: TBAConfig, device: torch.device, eos_id: int, memory_utilization: float, probe
+    ):
+        self.cfg = cfg
+        ctx = mp.get_context("spawn")
+        layout = list(meta_causal_lm(cfg.model, cfg.trust_remote_code).named_parameters())
+        self.store = WeightStore(layout, cfg.torch_dtype(), torch.device("cpu"))
+        self.requests = ctx.Queue(maxsize=1)
+        self.replies = ctx.Queue(maxsize=1)
+        setup = EngineSetup(
+            cfg,
+            str(device),
+            eos_id,
+            memory_utilization,
+            self.store,
+            probe,
+            self.requests,
+            self.replies,
+        )
+        self.proc = ctx.Process(target=engine_main, args=(setup,), name="tba-evaluator-engine")
+        self.proc.start()
+        atexit.register(self.close)
+        # Built before the caller allocates more: vLLM sizes its memory from what is free.
+        self._reply("ready", "start")
+
+    def load_weights(self, named: list[tuple[str, torch.Tensor]], probe: float = 0.0) -> None:
+        """Load ``named`` (the policy's parameters, in their order) into the engine; ``probe``,
+        the trainer's log-prob of the parity probe, is checked there when the process has a
+        probe (WeightsNotLoaded on a mismatch)."""
+        self.store.publish(named, self.store.version() + 1, probe)
+        self._call(("load",), "loaded")
+
+    def generate(self, prompts: list[list[int]], n: int, greedy: bool = False):
+        """``VLLMEngine.generate`` in the engine process."""
+        return self._call(("generate", prompts, n, greedy), "outputs")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the process: asked, then terminated, then killed."""
+        if self.proc.is_alive():
+            with contextlib.suppress(queue_lib.Full):  # busy with a request: terminated below
+                self.requests.put(None, timeout=1.0)
+            self.proc.join(timeout)
+        for end in ("terminate", "kill"):
+            if self.proc.is_alive():
+                getattr(self.proc, end)()
+                self.proc.join(3.0)
+        self.requests.cancel_join_thread()
+        atexit.unregister(self.close)
+
+    def _call(self, request: tuple, expected: str):
+        try:
+            self.requests.put(request, timeout=self.cfg.timeout_s)
+        except queue_lib.Full:
+            raise TimeoutError("the evaluator's engine took no request") from None
+        return self._reply(expected, request[0])
+
+    def _reply(self, expected: str, what: str):
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while True:
+            try:
+                reply = self.replies.get(timeout=0.5)
+                break
+            except queue_lib.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(
+                        f"the evaluator's vLLM engine died ({what}; exit code {self.proc.exitcode})"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"the evaluator's vLLM engine did not answer ({what}) within "
+                        f"{self.cfg.timeout_s:g}s (--timeout_s)"
+                    ) from None
+        if reply[0] == "failed":
+            _, text, message, weights = reply
+            self.close()
+            if weights:  # the check's own message, as in the process
+                raise WeightsNotLoaded(message)
+            raise RuntimeError(f"the evaluator's vLLM engine failed ({what}):\n{text}")
+        if reply[0] != expected:
+            raise RuntimeError(f"the evaluator's vLLM engine answered {reply[0]} to {what}")
+        return reply[1] if len(reply) > 1 else None
+
+
+# ----------------------------------------------------------------------------- the evaluator
+
+
 class Evaluator:
     """Greedy pass@1, and pass@n with distinct-n of n sampled answers, on GSM8K-format examples.
 
     ``probe`` (checks.ParityProbe, with --parity_check): after each load into the vLLM engine,
-    its log-prob of the probe must match the trainer model's, as a searcher's must."""
+    its log-prob of the probe must match the trainer model's, as a searcher's must. With a vLLM
+    engine, ``close`` ends its process (at exit it ends anyway)."""
 
     def __init__(self, cfg: TBAConfig, eval_cfg: EvalConfig, tokenizer, probe=None):
         self.cfg, self.eval_cfg, self.tokenizer, self.probe = cfg, eval_cfg, tokenizer, probe
@@ -72,27 +250,28 @@ class Evaluator:
         self.pad_id = pad_token_id(tokenizer)
         self.checked_loads = 0  # weight loads into the vLLM engine that passed the parity check
         self.vllm = (
-            VLLMEngine(
-                cfg,
-                self.device,
-                self.eos_id,
-                cfg.seed,
-                memory_utilization=eval_cfg.vllm_eval_memory_utilization,
+            EngineProcess(
+                cfg, self.device, self.eos_id, eval_cfg.vllm_eval_memory_utilization, probe
             )
             if wants_vllm(cfg, self.device)
             else None
         )
 
+    def close(self) -> None:
+        if self.vllm is not None:
+            self.vllm.close()
+
     def _engine(self, model: torch.nn.Module):
         if self.vllm is None:
             return HFEngine(self.cfg, self.device, self.eos_id, self.pad_id, model=model)
-        self.vllm.load_weights(list(model.named_parameters()))
+        expected = 0.0
         if self.probe is not None:
             # Scored as the trainer scores its publishes: in `dtype` when its weights are fp32.
             mixed = model.dtype != self.cfg.torch_dtype()
             with torch.autocast(self.device.type, self.cfg.torch_dtype(), enabled=mixed):
                 expected = self.probe.logprob(model, self.pad_id, self.device)
-            self.probe.check(self.vllm, expected, "evaluator")
+        self.vllm.load_weights(list(model.named_parameters()), expected)  # checked there
+        if self.probe is not None:
             self.checked_loads += 1
         return self.vllm
 

@@ -114,7 +114,9 @@ def torchrun(configs: Configs) -> data_parallel.Ranks | None:
     if data_parallel.world_size() <= 1:
         return None
     cfg = configs.tba
-    ranks = data_parallel.Ranks.from_env(cfg.trainer_device, cfg.timeout_s)
+    ranks = data_parallel.Ranks.from_env(
+        cfg.trainer_device, cfg.timeout_s, configs.data_parallel.startup_timeout_s
+    )
     if ranks.rank > 0:
 
         def trainer_for(rank0_cfg: TBAConfig) -> type[Trainer]:

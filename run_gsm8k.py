@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
         "accuracy_after": evaluator.accuracy(trainer.model, test, "eval after (greedy)"),
         "diversity_after": evaluator.diversity(trainer.model, subset),
     }
+    evaluator.close()  # its vLLM engine's process, if any
     summary = run_summary(out_dir, cfg.mop_prob)
     if configs.checks.parity_check:
         summary["weights"] = weights_verdict(cfg.num_searchers, out_dir, evaluator)

@@ -810,6 +810,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.model.save_pretrained(final)
     tokenizer.save_pretrained(final)
     after = evaluator.evaluate(trainer.model, test, "eval after")
+    evaluator.close()  # its vLLM engine's process, if any
     results = {
         "win_rate_before": before["win_rate"],
         "win_rate_after": after["win_rate"],

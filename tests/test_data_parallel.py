@@ -151,6 +151,32 @@ def _dp_rank(
     out_queue.put((rank, backend_threads()))
 
 
+def _startup_rank(rank: int, port: int, out_queue) -> None:
+    """Rank 0 starts for longer than --timeout_s, sends its first message, then goes silent
+    for longer than --timeout_s; rank 1 reports what each of its two waits got."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    ranks = Ranks.from_env("cpu", timeout_s=1.0, startup_timeout_s=60.0)
+    got = []
+    if rank == 0:
+        time.sleep(4.0)  # the warm start, the evaluation before training, the engines
+        ranks.send("start")
+        time.sleep(4.0)  # then nothing: to rank 1, a dead rank 0
+    else:
+        for _ in range(2):
+            try:
+                got.append(ranks.receive())
+            except data_parallel.RanksFailed as error:
+                got.append(str(error))
+    ranks.close()
+    out_queue.put((rank, got))
+
+
 def backend_threads() -> list[str]:
     """The names of this process's threads that belong to a gloo process group (its I/O loop and
     its workers), read from /proc."""
@@ -179,6 +205,43 @@ def test_data_parallel_shares_are_whole_contiguous_groups():
         assert max(map(len, shares)) - min(map(len, shares)) <= 1 and min(map(len, shares)) >= 1
     with pytest.raises(ValueError, match=r"prompts_per_step \(1\) must be at least"):
         Ranks(0, 2, 0, torch.device("cpu"), 1.0).check(TBAConfig(prompts_per_step=1))
+
+
+@pytest.mark.slow
+def test_ranks_wait_for_rank_0_to_start_longer_than_for_a_dead_rank():
+    """Ranks > 0 wait for rank 0's first message up to --startup_timeout_s (rank 0 evaluates
+    and starts its engines meanwhile), and for every later one up to --timeout_s, which tells
+    a dead rank. With one wait for both, rank 1 failed at --timeout_s while rank 0 started."""
+    with time_limit(60):
+        ctx = multiprocessing.get_context("spawn")
+        out_queue = ctx.Queue()
+        port = free_port()
+        procs = [ctx.Process(target=_startup_rank, args=(r, port, out_queue)) for r in range(2)]
+        for proc in procs:
+            proc.start()
+        try:
+            got = dict(out_queue.get(timeout=50) for _ in procs)
+        finally:
+            for proc in procs:
+                proc.join(timeout=10)
+                proc.kill()
+    first, second = got[1]
+    assert first == "start"
+    assert "rank 0 died or did not answer within 1s (--timeout_s)" in second
+
+
+def test_a_process_group_of_another_size_is_refused(tmp_path, monkeypatch):
+    """A default group that is not torchrun's whole world (the one-process group an in-process
+    vLLM engine leaves when built before the ranks join) is an error, never a rank training
+    alone."""
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(RuntimeError, match=r"a process group of 1 process.*torchrun's 2"):
+            Ranks.from_env("cpu", timeout_s=5.0)
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow

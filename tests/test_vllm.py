@@ -4,11 +4,13 @@ log-probs, the evaluator, and vLLM searchers in the system."""
 from __future__ import annotations
 
 import ast
+import json
 import logging
 import multiprocessing
 import os
 import random
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -390,6 +392,31 @@ def test_sigint_stops_every_vllm_process(vllm_tied_model_dir, tmp_path):
         wait_for_rows(tmp_path, 3, proc, timeout=240)
         stop_run(proc, signal.SIGINT, wait_s=60, settle_s=15)
         assert session_pids(proc.pid) == [], "a process of the vLLM run survived Ctrl-C"
+
+
+@needs_cpu_vllm
+@pytest.mark.slow
+def test_torchrun_with_vllm_engines_trains_on_every_rank(vllm_tied_model_dir, tmp_path):
+    """torchrun's 2 ranks with --engine vllm: the evaluator's vLLM engine (its own process) and
+    the searcher's start beside the ranks' process group, and the run ends with status 0, the
+    parity probe checked in the searcher and the evaluator. An in-process evaluation engine
+    made vLLM build its world group from torchrun's (a collective rank 1 never joined): rank 0
+    hung, and rank 1 failed at --timeout_s naming rank 0."""
+    from test_data_parallel import descendants, living, start_dp_run
+
+    proc = start_dp_run(vllm_tied_model_dir, tmp_path, "--engine", "vllm", "--total_steps", "3")
+    try:
+        proc.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for pid in living([*descendants(proc.pid), proc.pid]):
+            os.kill(pid, signal.SIGKILL)
+    log = (tmp_path / "run.log").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["steps"] == 3
+    assert "and the evaluator (2 vLLM loads checked)" in results["summary"]["weights"]
 
 
 def test_every_test_that_builds_a_vllm_engine_asks_for_vllm_on_the_cpu():
