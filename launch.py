@@ -2,7 +2,8 @@
 the configs of the core, of the job and of the extensions; the ``trainer.Parts`` its flags ask
 for (GRPO, the checks, searchers as Ray actors); torchrun's ranks (a data-parallel trainer);
 the tracker every metrics row also goes to (report.py); and where the processes go on the GPUs
-a machine has.
+a machine has, with which memory shares (``gpu_placement``), and why ``--preset auto`` found
+none (``auto_preset``).
 
     configs = launch.parse(parser, args, preset_values, EvalConfig)  # one config per component
     ranks = launch.torchrun(configs)   # ranks > 0 train under rank 0 in here, then return
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ import data_parallel
 import grpo
 import ray_searchers
 import report
-from tba import RunError, TBAConfig, config_argparser, configs_from_args
+from tba import ConfigError, RunError, TBAConfig, config_argparser, configs_from_args
 from trainer import Parts, Trainer, run_tba
 
 # The extensions every job offers, by the config that switches them on.
@@ -113,6 +115,7 @@ def torchrun(configs: Configs) -> data_parallel.Ranks | None:
     until rank 0's run ends, and then the job should return (``rank > 0``)."""
     if data_parallel.world_size() <= 1:
         return None
+    check_devices(configs)  # on every rank, before any joins: each refuses alike
     cfg = configs.tba
     ranks = data_parallel.Ranks.from_env(
         cfg.trainer_device, cfg.timeout_s, configs.data_parallel.startup_timeout_s
@@ -179,20 +182,176 @@ def tokenizer(cfg: TBAConfig):
         ) from None
 
 
-def gpu_placement(gpus: int) -> dict:
-    """TBAConfig values that place the processes on ``gpus`` CUDA GPUs: GPU 0 trains, each
-    other GPU holds a searcher; one GPU is shared (vLLM takes a slice); none: nothing set."""
-    if gpus >= 2:
-        return dict(
-            num_searchers=gpus - 1,
-            trainer_device="cuda:0",
-            searcher_devices=",".join(f"cuda:{i}" for i in range(1, gpus)),
+# ----------------------------------------------------------------------------- GPUs
+
+
+@dataclass(frozen=True)
+class GPUNeeds:
+    """What a job's paper run needs on a GPU besides the vLLM engines' shares, in GB: estimates
+    from the policy's shapes at the run's batch (docs/paper_setup.md, "Expected wall-clock and
+    memory"), which ``gpu_placement`` chooses the memory shares by."""
+
+    searcher_gb: float  # beside vLLM on a searcher's GPU: the reference model, its log-softmax
+    trainer_gb: float  # the trainer's process: weights, gradients, AdamW, store, activations
+    trainer_checkpointed_gb: float  # the same with --gradient_checkpointing
+    engine_gb: float  # the least a vLLM engine needs: its weights and a useful KV cache
+
+
+# The GSM8K paper run (rho-1b, 1.1B parameters, bf16; P 7 x K 20 of up to ~700 tokens), from
+# docs/paper_setup.md's table: the trainer's bf16 weights, gradients and AdamW moments (8.8 GB),
+# the weight store (2.2), one micro-batch's activations (~21; ~2.5 checkpointed) and fp32
+# log-softmax (~7), and a CUDA context per searcher and for the evaluator's engine (~2); a
+# searcher's bf16 reference (2.2) and its log-softmax of 24 sequences (~5) with its context.
+GSM8K_PAPER_NEEDS = GPUNeeds(
+    searcher_gb=8.0, trainer_gb=41.0, trainer_checkpointed_gb=22.5, engine_gb=8.0
+)
+RELEASED_SEARCHER_SHARE = 0.85  # TBAConfig.vllm_gpu_memory_utilization
+HEADROOM = 0.95  # of a GPU's memory, planned; the rest for the allocator's fragmentation
+# Where a Linux NVIDIA driver states its version (read for the one line of --preset auto).
+NVIDIA_DRIVER_FILE = "/proc/driver/nvidia/version"
+
+
+def local_ranks() -> int:
+    """torchrun's ranks on this machine (LOCAL_WORLD_SIZE; 1 without torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def auto_preset(gpus: int) -> str:
+    """``--preset auto``: paper with CUDA GPUs, else tiny, said in one line with the reason
+    (a torch built for a CUDA the driver cannot run finds no GPU, and would otherwise train
+    the tiny preset without a word)."""
+    if gpus > 0:
+        print(f"preset: paper ({gpus} CUDA GPU(s) found); choose the other with --preset tiny")
+        return "paper"
+    print(f"preset: tiny ({no_gpu_reason()}); choose the other with --preset paper")
+    return "tiny"
+
+
+def no_gpu_reason() -> str:
+    """Why torch sees no CUDA GPU here, in a few words."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"no CUDA GPU: torch {torch.__version__} is a CPU build"
+    try:
+        driver = Path(NVIDIA_DRIVER_FILE).read_text().split("Kernel Module")[1].split()[0]
+    except (OSError, IndexError):
+        return "no CUDA GPU found"
+    major = torch.version.cuda.split(".")[0]
+    return (
+        f"no usable CUDA GPU: NVIDIA driver {driver} is here, torch {torch.__version__} is "
+        f"built for CUDA {torch.version.cuda}"
+        + (", which needs driver R580 or newer" if major == "13" else "")
+        + "; docs/paper_setup.md"
+    )
+
+
+def gpu_placement(
+    gpus: int,
+    memory_gb: float | None = None,
+    ranks: int | None = None,
+    needs: GPUNeeds | None = None,
+) -> dict:
+    """TBAConfig (and EvalConfig) values that place a paper run's processes on ``gpus`` CUDA
+    GPUs of ``memory_gb`` each (the smallest of this machine's), with ``ranks`` trainer ranks
+    on this machine (torchrun's LOCAL_WORLD_SIZE): the ranks train on GPUs 0 to ranks - 1, and
+    every other GPU holds a searcher; one GPU is shared by the trainer and one searcher. With
+    ``needs`` the memory shares are chosen from ``memory_gb`` (``memory_plan``). No GPU:
+    nothing set. A GPU for every rank and none left for a searcher is a ConfigError."""
+    if gpus == 0:
+        return {}
+    ranks = local_ranks() if ranks is None else ranks
+    if memory_gb is None:
+        import torch
+
+        memory_gb = min(torch.cuda.get_device_properties(i).total_memory / 1e9 for i in range(gpus))
+    if ranks > 1 and gpus <= ranks:
+        raise ConfigError(
+            f"torchrun's {ranks} ranks train on {gpus} GPU(s) here, which leaves none for a "
+            f"searcher (vLLM takes its share of a GPU before the ranks load): run "
+            f"--nproc-per-node {gpus - 1} or fewer, or place the searchers elsewhere "
+            "(--searcher_devices, or --ray)"
         )
-    if gpus == 1:
-        return dict(
-            num_searchers=1,
-            trainer_device="cuda:0",
-            searcher_devices="cuda:0",
-            vllm_gpu_memory_utilization=0.35,
-        )
-    return {}
+    shared = gpus == 1
+    values = dict(
+        trainer_device="cuda:0",
+        num_searchers=1 if shared else gpus - ranks,
+        searcher_devices="cuda:0" if shared else ",".join(f"cuda:{i}" for i in range(ranks, gpus)),
+    )
+    if needs is None:
+        if shared:
+            values["vllm_gpu_memory_utilization"] = 0.35
+        return values
+    values.update(memory_plan(memory_gb, shared, needs))
+    trainers = "cuda:0" if ranks == 1 else f"cuda:0-{ranks - 1}"
+    chosen = ", ".join(
+        f"--{k} {v}" if not isinstance(v, bool) else f"--{k}"
+        for k, v in values.items()
+        if k not in ("trainer_device", "searcher_devices", "num_searchers")
+    )
+    print(
+        f"placement: trainer on {trainers}, searchers on {values['searcher_devices']}; on "
+        f"{memory_gb:.0f} GB GPUs {chosen} (estimates: docs/paper_setup.md; flags override)"
+    )
+    return values
+
+
+def memory_plan(memory_gb: float, shared: bool, needs: GPUNeeds) -> dict:
+    """The memory shares for GPUs of ``memory_gb`` by ``needs``: the evaluator's vLLM engine
+    gets ``engine_gb`` of the trainer's GPU; a searcher's engine what its GPU has left beside
+    the reference model (at most the released 0.85), or, on a GPU shared with the trainer, what
+    the trainer and the evaluator leave; gradient checkpointing only where the trainer does not
+    fit without it. A ConfigError when nothing fits. Shares are in steps of 0.05."""
+    usable = HEADROOM * memory_gb
+    eval_share = math.ceil(needs.engine_gb / memory_gb * 20) / 20
+    for checkpointed in (False, True):
+        trainer = needs.trainer_checkpointed_gb if checkpointed else needs.trainer_gb
+        left = usable - trainer - eval_share * memory_gb  # on the trainer's GPU
+        if shared:
+            share = math.floor((left - needs.searcher_gb) / memory_gb * 20) / 20
+        else:
+            share = math.floor((usable - needs.searcher_gb) / memory_gb * 20) / 20
+        share = min(share, RELEASED_SEARCHER_SHARE)
+        if left >= 0 and share * memory_gb >= needs.engine_gb:
+            plan = dict(vllm_gpu_memory_utilization=share, vllm_eval_memory_utilization=eval_share)
+            if checkpointed:
+                plan["gradient_checkpointing"] = True
+            return plan
+    least = needs.trainer_checkpointed_gb + needs.engine_gb * (3 if shared else 1)
+    raise ConfigError(
+        f"the paper run does not fit GPUs of {memory_gb:.0f} GB: even with "
+        f"--gradient_checkpointing it needs about {least / HEADROOM:.0f} GB on the trainer's GPU"
+        f"{' (shared with a searcher)' if shared else ''} (docs/paper_setup.md); use GPUs with "
+        "more memory, or --preset tiny"
+    )
+
+
+def check_devices(configs: Configs) -> None:
+    """Under torchrun, before anything starts: no searcher on this machine may use a GPU that
+    one of its trainer ranks trains on (a ConfigError naming the flags). vLLM would take its
+    share of that GPU first, and the rank would run out of memory."""
+    cfg = configs.tba
+    if configs.ray.ray or data_parallel.world_size() <= 1:
+        return  # Ray places its searchers itself, on GPUs it holds
+    rank_gpus = {}
+    for local_rank in range(local_ranks()):
+        device = data_parallel.rank_device(cfg.trainer_device, local_rank)
+        if device.type == "cuda":
+            rank_gpus[device.index or 0] = local_rank
+    for device in dict.fromkeys(cfg.searcher_device_list()):
+        index = _cuda_index(device)
+        if index in rank_gpus:
+            raise ConfigError(
+                f"--searcher_devices {cfg.searcher_devices}: {device} is also the GPU of "
+                f"trainer rank {rank_gpus[index]} (--trainer_device {cfg.trainer_device} puts "
+                f"local rank r on its r-th GPU); under torchrun a GPU trains or searches, not "
+                f"both: name searcher GPUs from cuda:{max(rank_gpus) + 1} on"
+            )
+
+
+def _cuda_index(device: str) -> int | None:
+    """The GPU index of a device string (``cuda`` alone is GPU 0), None for other devices."""
+    parts = device.split(":")
+    if parts[0] != "cuda":
+        return None
+    return int(parts[1]) if len(parts) > 1 and parts[1] else 0

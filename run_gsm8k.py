@@ -126,17 +126,15 @@ def check_prompt_lengths(
 
 
 def choose_preset(name: str) -> tuple[str, dict]:
-    """``auto``: paper with CUDA GPUs (GPU 0 trains, the rest search), else tiny."""
+    """``auto``: paper with CUDA GPUs (the trainer's ranks on the first, the rest search, memory
+    shares from the GPUs' memory: launch.gpu_placement), else tiny."""
     gpus = torch.cuda.device_count()
     if name == "auto":
-        name = "paper" if gpus > 0 else "tiny"
-        why = f"{gpus} CUDA GPU(s) found" if gpus else "no CUDA GPU found"
-        other = "tiny" if name == "paper" else "paper"
-        print(f"preset: {name} ({why}); choose the other with --preset {other}")
+        name = launch.auto_preset(gpus)
     if name == "tiny":
         return name, dict(TINY_PRESET, **TINY_CHECKS)
     values = dict(PAPER_PRESET, **(SMOKE_PRESET if name == "smoke" else {}))
-    values.update(launch.gpu_placement(gpus))
+    values.update(launch.gpu_placement(gpus, needs=launch.GSM8K_PAPER_NEEDS))
     return name, values
 
 

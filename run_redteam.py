@@ -679,11 +679,7 @@ def read_attacker_instruction(data_dir: str) -> str:
 def choose_preset(name: str) -> tuple[str, dict]:
     """``auto``: paper with CUDA GPUs (GPU 0 trains, the rest search, as run_gsm8k), else tiny."""
     if name == "auto":
-        gpus = torch.cuda.device_count()
-        name = "paper" if gpus > 0 else "tiny"
-        why = f"{gpus} CUDA GPU(s) found" if gpus else "no CUDA GPU found"
-        other = "tiny" if name == "paper" else "paper"
-        print(f"preset: {name} ({why}); choose the other with --preset {other}")
+        name = launch.auto_preset(torch.cuda.device_count())
     if name == "tiny":
         return name, dict(TINY_PRESET, **TINY_CHECKS)
     return name, dict(PAPER_PRESET, **launch.gpu_placement(torch.cuda.device_count()))

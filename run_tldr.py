@@ -721,10 +721,7 @@ def choose_preset(name: str) -> tuple[str, dict]:
     """``auto``: paper with CUDA GPUs (GPU 0 trains, the rest search), else tiny."""
     gpus = torch.cuda.device_count()
     if name == "auto":
-        name = "paper" if gpus > 0 else "tiny"
-        why = f"{gpus} CUDA GPU(s) found" if gpus else "no CUDA GPU found"
-        other = "tiny" if name == "paper" else "paper"
-        print(f"preset: {name} ({why}); choose the other with --preset {other}")
+        name = launch.auto_preset(gpus)
     if name == "tiny":
         return name, dict(TINY_PRESET, **TINY_CHECKS)
     return name, dict(PAPER_PRESET, **launch.gpu_placement(gpus))
