@@ -221,10 +221,16 @@ def auto_preset(gpus: int) -> str:
     (a torch built for a CUDA the driver cannot run finds no GPU, and would otherwise train
     the tiny preset without a word)."""
     if gpus > 0:
-        print(f"preset: paper ({gpus} CUDA GPU(s) found); choose the other with --preset tiny")
+        say(f"preset: paper ({gpus} CUDA GPU(s) found); choose the other with --preset tiny")
         return "paper"
-    print(f"preset: tiny ({no_gpu_reason()}); choose the other with --preset paper")
+    say(f"preset: tiny ({no_gpu_reason()}); choose the other with --preset paper")
     return "tiny"
+
+
+def say(line: str) -> None:
+    """Print ``line`` once per job: under torchrun on rank 0 only."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line)
 
 
 def no_gpu_reason() -> str:
@@ -289,7 +295,7 @@ def gpu_placement(
         for k, v in values.items()
         if k not in ("trainer_device", "searcher_devices", "num_searchers")
     )
-    print(
+    say(
         f"placement: trainer on {trainers}, searchers on {values['searcher_devices']}; on "
         f"{memory_gb:.0f} GB GPUs {chosen} (estimates: docs/paper_setup.md; flags override)"
     )
