@@ -462,11 +462,27 @@ class DataParallelTrainer(Trainer):
 
     @on_every_rank(sharded_only=True)
     def weights_to_publish(self) -> list[tuple[str, torch.Tensor]]:
-        """Sharded, the full weights gathered to rank 0's CPU (the other ranks get none)."""
+        """Sharded, the full weights gathered to rank 0 (the other ranks get none): on its
+        trainer device, one all-gather per weight, where the weight store is on that device
+        too (``trainer.make_weight_store``); to its CPU where the store is in shared memory
+        (``--weight_store shared_memory`` on a GPU). Gathering to the CPU for a store on the
+        GPU made every publish a round trip through host memory. Every rank takes the same
+        branch: it depends on the config and the device type alone."""
         if not self.sharded:
             return super().weights_to_publish()
-        full = self._gather(get_model_state_dict, f"the weights of version {self.step}")
-        return [(name, full[name]) for name, _ in self.model.named_parameters()] if full else []
+        if self.device.type == "cuda" and self.cfg.weight_store == "shared_memory":
+            full = self._gather(get_model_state_dict, f"the weights of version {self.step}")
+            return [(n, full[n]) for n, _ in self.model.named_parameters()] if full else []
+        whole = []
+        try:
+            with torch.no_grad():
+                for name, param in self.model.named_parameters():
+                    tensor = full_tensor(param)  # every rank joins; rank 0 keeps it
+                    if self.ranks.rank == 0:
+                        whole.append((name, tensor))
+        except RuntimeError as e:
+            raise self.ranks.failed(f"gathering the weights of version {self.step}", e) from e
+        return whole
 
     @on_every_rank(sharded_only=True)
     def whole_model(self) -> torch.nn.Module | None:

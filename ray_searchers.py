@@ -11,7 +11,8 @@ Three pieces:
 * ``RaySearcherPool`` (the driver, in the trainer process) stands in for ``SearcherPool``
   (``trainer.Parts.searchers``), so ``Intake`` and ``run_tba`` use it unchanged. Each
   ``collect`` (the intake thread, every ~50 ms) first notices a newer version in the trainer's
-  ``WeightStore`` and ``ray.put``s it once, then keeps at most ``ray_in_flight`` ``step`` calls
+  ``WeightStore`` and ``ray.put``s it once (copied on a CUDA stream of its own, which waits for
+  none of the trainer's kernels: ``StoreSnapshot``), then keeps at most ``ray_in_flight`` ``step`` calls
   per actor (the backpressure: no actor runs further ahead of the trainer) and ``ray.wait``s on
   them. A batch is the return value of a call.
 * ``WeightBoard``, a small actor on the driver's node, holds the newest ``(version, probe,
@@ -61,7 +62,7 @@ import torch
 
 from buffer import Trajectory
 from searcher import Batch, Searcher, SearcherSetup, WeightsNotLoaded
-from tba import RunError, TBAConfig, knob, need, run_cli
+from tba import RunError, TBAConfig, WeightStore, knob, need, run_cli
 from trainer import Parts, SearcherFailed, prompt_shards, searcher_metrics
 
 REPO_DIR = Path(__file__).resolve().parent
@@ -322,6 +323,47 @@ class CallResult:
     error: BaseException | None = None
 
 
+class StoreSnapshot:
+    """One consistent copy of a ``tba.WeightStore`` in this process's host memory, read on the
+    intake thread while the trainer computes on the main one, without waiting for it.
+
+    ``WeightStore.load_into`` suits a reader in another process; here it would cost the trainer
+    on a GPU. ``flat.cpu()`` on the intake thread runs on the legacy default stream, the
+    trainer's, so it waits for every kernel the trainer has queued and holds back the ones it
+    queues next for the whole copy from pageable memory; and ``load_into`` then synchronises
+    the whole device. Here the copy runs on a stream of its own (torch's streams are
+    non-blocking: no implicit order with the default stream) into pinned memory, and only that
+    stream is waited for. The store's seqlock (``tba.WeightStore``) makes it consistent: a
+    publish makes its bytes land before it makes ``seq`` even again, so a copy started on an
+    even ``seq`` and ended with ``seq`` unchanged holds one version."""
+
+    def __init__(self, store: WeightStore):
+        self.store = store
+        self.stream = torch.cuda.Stream(store.flat.device) if store.flat.is_cuda else None
+        pinned = store.flat.is_cuda  # a pinned target: the copy is a DMA the stream runs
+        self.host = torch.empty(store.flat.shape, dtype=store.flat.dtype, pin_memory=pinned)
+
+    def read(self) -> tuple[int, float, torch.Tensor] | None:
+        """(version, probe, the flat weights in host memory), or None when a publish was under
+        way or overlapped the copy. The tensor is reused by the next read: copy it first (a
+        ``ray.put`` does)."""
+        header = self.store.header
+        seq = header[WeightStore.SEQ].item()
+        if seq % 2:
+            return None
+        version = int(header[WeightStore.VERSION].item())
+        probe = header[WeightStore.PROBE].item()
+        if self.stream is None:
+            self.host.copy_(self.store.flat)  # shared CPU memory
+        else:
+            with torch.cuda.stream(self.stream):
+                self.host.copy_(self.store.flat, non_blocking=True)
+            self.stream.synchronize()
+        if header[WeightStore.SEQ].item() != seq:
+            return None
+        return version, probe, self.host
+
+
 class RaySearcherPool:
     """``SearcherPool``'s interface over searcher actors on a Ray cluster (the module docstring
     says how): ``start``, ``wait_ready``, ``collect`` (the intake thread), ``metrics`` (the main
@@ -383,6 +425,7 @@ class RaySearcherPool:
         self.put_ref = None
         self.put_probe = 0.0
         self.put_s: list[float] = []
+        self.snapshot: StoreSnapshot | None = None  # made on the intake thread, where it reads
         self.board_set_at = 0.0
         self.arrived: list = []  # BatchStats since the last metrics()
         self.latest: dict = {}  # rank -> BatchStats of its newest batch
@@ -503,17 +546,16 @@ class RaySearcherPool:
         import ray
 
         if self.store.version() > self.put_version:
-            holder = {}
-
-            def put(views):  # may run again if a publish overlapped: the torn object is dropped
-                flat = self.store.flat
-                holder["ref"] = ray.put(flat.cpu().view(torch.uint8).numpy())  # bf16: as bytes
-
             t0 = time.perf_counter()
-            version, probe = self.store.load_into(put)
-            self.put_s.append(time.perf_counter() - t0)
-            self.put_version, self.put_probe, self.put_ref = version, probe, holder["ref"]
-            self.board_set_at = 0.0
+            if self.snapshot is None:
+                self.snapshot = StoreSnapshot(self.store)
+            read = self.snapshot.read()
+            if read is not None:  # else a publish overlapped: the next collect reads again
+                version, probe, flat = read
+                ref = ray.put(flat.view(torch.uint8).numpy())  # bf16: as bytes
+                self.put_s.append(time.perf_counter() - t0)
+                self.put_version, self.put_probe, self.put_ref = version, probe, ref
+                self.board_set_at = 0.0
         if self.put_ref is not None and time.monotonic() - self.board_set_at > 1.0:
             self.board.set.remote(self.put_version, self.put_probe, [self.put_ref])
             self.board_set_at = time.monotonic()

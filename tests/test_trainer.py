@@ -298,6 +298,60 @@ def test_cuda_ipc_weight_store_and_hf_engine(tiny_model_dir):
     assert all(len(tokens) <= 8 for o in outs for tokens in o)
 
 
+def test_store_snapshot_reads_one_version_or_none():
+    """ray_searchers.StoreSnapshot (the Ray driver's read of the store, on the intake thread):
+    the newest version with its probe, or None while a publish is under way."""
+    from ray_searchers import StoreSnapshot  # Ray itself is not imported
+
+    weights = [("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(4))]
+    store = WeightStore(weights, torch.float32, torch.device("cpu"))
+    store.publish(weights, version=5, probe=-1.5)
+    snapshot = StoreSnapshot(store)
+    version, probe, flat = snapshot.read()
+    assert (version, probe) == (5, -1.5)
+    assert torch.equal(flat, torch.cat([w.flatten() for _, w in weights]))
+    store.header[WeightStore.SEQ] += 1  # a publish under way
+    assert snapshot.read() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_store_snapshot_does_not_wait_for_the_trainers_kernels():
+    """On a GPU the Ray driver's read of the CUDA store, on another thread, ends while the
+    trainer's queued kernels still run: its copy runs on a stream of its own. A read by
+    ``flat.cpu()`` and ``WeightStore.load_into`` waited for them (the default stream, then the
+    whole device)."""
+    import threading
+
+    from ray_searchers import StoreSnapshot
+
+    weights = [("w", torch.randn(1 << 22, device="cuda"))]
+    store = WeightStore(weights, torch.bfloat16, torch.device("cuda:0"))
+    store.publish(weights, version=2)
+    snapshot = StoreSnapshot(store)
+    snapshot.read()  # warm: the stream and the pinned buffer exist
+    got = {}
+
+    def read():
+        t0 = time.perf_counter()
+        got["read"] = snapshot.read()
+        got["s"] = time.perf_counter() - t0
+
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(int(3e9))  # the trainer's step: ~1-2 s of queued GPU work
+    end.record()
+    reader = threading.Thread(target=read)
+    reader.start()
+    reader.join(timeout=30)
+    end.synchronize()
+    queued_s = start.elapsed_time(end) / 1000
+    version, _, flat = got["read"]
+    assert version == 2 and torch.equal(flat, weights[0][1].to(torch.bfloat16).cpu())
+    assert got["s"] < queued_s / 2, (got["s"], queued_s)
+
+
 def test_trust_region_on_policy_then_stale(tiny_model_dir):
     """A searcher's trajectories carry log pi_b, the engine's log-prob of what it sampled by the
     trainer's scoring rule: trained at once, rho = log pi - log pi_b is ~0, nothing is clipped
