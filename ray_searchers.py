@@ -12,9 +12,9 @@ Three pieces:
   (``trainer.Parts.searchers``), so ``Intake`` and ``run_tba`` use it unchanged. Each
   ``collect`` (the intake thread, every ~50 ms) first notices a newer version in the trainer's
   ``WeightStore`` and ``ray.put``s it once (copied on a CUDA stream of its own, which waits for
-  none of the trainer's kernels: ``StoreSnapshot``), then keeps at most ``ray_in_flight`` ``step`` calls
-  per actor (the backpressure: no actor runs further ahead of the trainer) and ``ray.wait``s on
-  them. A batch is the return value of a call.
+  none of the trainer's kernels: ``StoreSnapshot``), then keeps at most ``ray_in_flight``
+  ``step`` calls per actor (the backpressure: no actor runs further ahead of the trainer) and
+  ``ray.wait``s on them. A batch is the return value of a call.
 * ``WeightBoard``, a small actor on the driver's node, holds the newest ``(version, probe,
   [ref])``. Searchers pull from it between generate calls, so an actor that Ray restarts finds
   the newest version with nobody telling it, and every call runs on the actor's main thread (a
