@@ -100,13 +100,15 @@ def parts(configs: Configs) -> Parts:
 
 
 def parity_probe(configs: Configs) -> checks.ParityProbe | None:
-    """With --parity_check, the probe of ``checks.PROBE_TEXT`` in the policy's tokens."""
+    """With --parity_check, the probe of ``checks.PROBE_TEXT`` in the policy's tokens; its
+    floor ``--parity_abs_tol`` in bf16 and fp16 (fp32 engines agree to ~1e-5: none there)."""
     if not configs.checks.parity_check:
         return None
     cfg = configs.tba
     tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     tokens = tokenizer(checks.PROBE_TEXT)["input_ids"]
-    return checks.ParityProbe.from_prompt(tokens, configs.checks.parity_tol)
+    floor = configs.checks.parity_abs_tol if cfg.dtype != "float32" else 0.0
+    return checks.ParityProbe.from_prompt(tokens, configs.checks.parity_tol, floor)
 
 
 def torchrun(configs: Configs) -> data_parallel.Ranks | None:
