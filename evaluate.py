@@ -36,6 +36,7 @@ from tqdm import tqdm
 from rewards import gsm8k_reward
 from searcher import HFEngine, VLLMEngine, WeightsNotLoaded, wants_vllm
 from tba import TBAConfig, WeightStore, knob, meta_causal_lm, need, pad_token_id
+from trainer import make_weight_store
 
 PROMPT_TEMPLATE = "[MATH TASK] Problem:\n{question}\n\nSolution:\n"  # official TBA/VinePPO format
 
@@ -89,7 +90,7 @@ class EngineSetup:
     device: str
     eos_id: int
     memory_utilization: float
-    store: WeightStore  # the weights to load, in shared memory, with the probe's log-prob
+    store: WeightStore  # the weights to load, with the trainer's probe log-prob
     probe: Any  # checks.ParityProbe (--parity_check), or None
     requests: Any  # a bounded queue: ("load",), ("generate", prompts, n, greedy), None to stop
     # A bounded queue: ("ready",), ("loaded", version), ("outputs", outs), or ("failed",
@@ -145,18 +146,19 @@ def _next_request(requests):
 class EngineProcess:
     """The evaluator's vLLM engine in a spawned process (the module docstring says why), with
     the engine's ``generate`` and a load of a model's weights. The weights travel through a
-    ``tba.WeightStore`` in shared CPU memory, as they do to searchers: an evaluation happens a
-    few times a run, and the copy through host memory keeps a second copy of the weights off
-    the trainer's GPU. Every wait is bounded by ``cfg.timeout_s`` and ends early when the
-    process dies; the process ends with ``close`` (also at exit), or when its parent is gone."""
+    ``tba.WeightStore`` of their own, placed as the searchers' is (``--weight_store``: CUDA IPC
+    on the trainer's GPU, where the engine runs too, else shared memory). Every wait is bounded
+    by ``cfg.timeout_s`` and ends early when the process dies; the process ends with ``close``
+    (also at exit), or when its parent is gone."""
 
     def __init__(
         self, cfg: TBAConfig, device: torch.device, eos_id: int, memory_utilization: float, probe
     ):
         self.cfg = cfg
         ctx = mp.get_context("spawn")
-        layout = list(meta_causal_lm(cfg.model, cfg.trust_remote_code).named_parameters())
-        self.store = WeightStore(layout, cfg.torch_dtype(), torch.device("cpu"))
+        self.store = make_weight_store(
+            cfg, meta_causal_lm(cfg.model, cfg.trust_remote_code), device
+        )
         self.requests = ctx.Queue(maxsize=1)
         self.replies = ctx.Queue(maxsize=1)
         setup = EngineSetup(

@@ -201,11 +201,12 @@ class GPUNeeds:
 
 # The GSM8K paper run (rho-1b, 1.1B parameters, bf16; P 7 x K 20 of up to ~700 tokens), from
 # docs/paper_setup.md's table: the trainer's bf16 weights, gradients and AdamW moments (8.8 GB),
-# the weight store (2.2), one micro-batch's activations (~21; ~2.5 checkpointed) and fp32
-# log-softmax (~7), and a CUDA context per searcher and for the evaluator's engine (~2); a
-# searcher's bf16 reference (2.2) and its log-softmax of 24 sequences (~5) with its context.
+# the searchers' weight store and the evaluator's (2.2 each), one micro-batch's activations
+# (~21; ~2.5 checkpointed) and fp32 log-softmax (~7), and a CUDA context per searcher and for
+# the evaluator's engine (~2); a searcher's bf16 reference (2.2) and its log-softmax of 24
+# sequences (~5) with its context.
 GSM8K_PAPER_NEEDS = GPUNeeds(
-    searcher_gb=8.0, trainer_gb=41.0, trainer_checkpointed_gb=22.5, engine_gb=8.0
+    searcher_gb=8.0, trainer_gb=43.5, trainer_checkpointed_gb=24.5, engine_gb=8.0
 )
 RELEASED_SEARCHER_SHARE = 0.85  # TBAConfig.vllm_gpu_memory_utilization
 HEADROOM = 0.95  # of a GPU's memory, planned; the rest for the allocator's fragmentation
@@ -309,7 +310,21 @@ def memory_plan(memory_gb: float, shared: bool, needs: GPUNeeds) -> dict:
     gets ``engine_gb`` of the trainer's GPU; a searcher's engine what its GPU has left beside
     the reference model (at most the released 0.85), or, on a GPU shared with the trainer, what
     the trainer and the evaluator leave; gradient checkpointing only where the trainer does not
-    fit without it. A ConfigError when nothing fits. Shares are in steps of 0.05."""
+    fit without it. A ConfigError naming the least memory that fits when nothing does. Shares
+    are in steps of 0.05."""
+    plan = _fitting_plan(memory_gb, shared, needs)
+    if plan is not None:
+        return plan
+    least = next(m for m in range(math.ceil(memory_gb), 1024) if _fitting_plan(m, shared, needs))
+    raise ConfigError(
+        f"the paper run does not fit GPUs of {memory_gb:.0f} GB: even with "
+        f"--gradient_checkpointing it needs GPUs of about {least} GB"
+        f"{' (one GPU, shared by the trainer and a searcher)' if shared else ''} "
+        "(docs/paper_setup.md); use GPUs with more memory, or --preset tiny"
+    )
+
+
+def _fitting_plan(memory_gb: float, shared: bool, needs: GPUNeeds) -> dict | None:
     usable = HEADROOM * memory_gb
     eval_share = math.ceil(needs.engine_gb / memory_gb * 20) / 20
     for checkpointed in (False, True):
@@ -325,13 +340,7 @@ def memory_plan(memory_gb: float, shared: bool, needs: GPUNeeds) -> dict:
             if checkpointed:
                 plan["gradient_checkpointing"] = True
             return plan
-    least = needs.trainer_checkpointed_gb + needs.engine_gb * (3 if shared else 1)
-    raise ConfigError(
-        f"the paper run does not fit GPUs of {memory_gb:.0f} GB: even with "
-        f"--gradient_checkpointing it needs about {least / HEADROOM:.0f} GB on the trainer's GPU"
-        f"{' (shared with a searcher)' if shared else ''} (docs/paper_setup.md); use GPUs with "
-        "more memory, or --preset tiny"
-    )
+    return None
 
 
 def check_devices(configs: Configs) -> None:
