@@ -9,7 +9,8 @@ checkpoints). Every step it hands each rank a contiguous share of the P prompt g
 batch, and the gradients are summed over the ranks (DDP with a summing communication hook, FSDP2
 with a divide factor of 1), so a step equals one rank's step on the whole batch. One publish per
 version, by rank 0. The backend is NCCL for CUDA and gloo for the CPU; every collective waits at
-most --timeout_s.
+most --timeout_s, but rank 0's first message, which the other ranks wait for while rank 0
+starts up (a warm start, an evaluation, the searchers' engines): --startup_timeout_s.
 
 How rank 0 drives the others: each ``Trainer`` method that every rank must run (an update, a
 checkpoint load, and, sharded, whatever needs the whole weights: the weights to publish, the

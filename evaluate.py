@@ -134,7 +134,8 @@ def engine_main(setup: EngineSetup) -> None:
 
 
 def _next_request(requests):
-    """The next request; None when told to stop, or when the parent is gone (never outlive it)."""
+    """The next request; None when told to stop, or when the parent is gone (never outlive it).
+    No deadline but that: evaluations may be an hour of training apart."""
     while multiprocessing.parent_process().is_alive():
         try:
             return requests.get(timeout=0.5)

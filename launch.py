@@ -270,16 +270,14 @@ def gpu_placement(
     if gpus == 0:
         return {}
     ranks = local_ranks() if ranks is None else ranks
-    if memory_gb is None:
-        import torch
-
-        memory_gb = min(torch.cuda.get_device_properties(i).total_memory / 1e9 for i in range(gpus))
     if ranks > 1 and gpus <= ranks:
+        fewer = (
+            f"--nproc-per-node {gpus - 1} or fewer" if gpus > 2 else "one rank, without torchrun"
+        )
         raise ConfigError(
             f"torchrun's {ranks} ranks train on {gpus} GPU(s) here, which leaves none for a "
-            f"searcher (vLLM takes its share of a GPU before the ranks load): run "
-            f"--nproc-per-node {gpus - 1} or fewer, or place the searchers elsewhere "
-            "(--searcher_devices, or --ray)"
+            f"searcher (vLLM takes its share of a GPU before the ranks load): run {fewer}, or "
+            "place the searchers elsewhere (--searcher_devices, or --ray)"
         )
     shared = gpus == 1
     values = dict(
@@ -291,6 +289,10 @@ def gpu_placement(
         if shared:
             values["vllm_gpu_memory_utilization"] = 0.35
         return values
+    if memory_gb is None:
+        import torch
+
+        memory_gb = min(torch.cuda.get_device_properties(i).total_memory / 1e9 for i in range(gpus))
     values.update(memory_plan(memory_gb, shared, needs))
     trainers = "cuda:0" if ranks == 1 else f"cuda:0-{ranks - 1}"
     chosen = ", ".join(

@@ -22,7 +22,7 @@ from transformers import (
 )
 
 import checks
-from evaluate import EvalConfig, Evaluator, to_examples
+from evaluate import EngineProcess, EvalConfig, Evaluator, to_examples
 from grpo import padded
 from helpers import (
     REPO,
@@ -313,6 +313,27 @@ def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
     on_vllm = evaluator.accuracy(model, examples)
     assert on_vllm == on_hf and 0.2 < on_hf <= 0.5
     assert evaluator.checked_loads == 1  # the parity probe matched after the load
+
+
+@needs_cpu_vllm
+@pytest.mark.slow
+def test_evaluator_engine_process_checks_each_load_and_stops_on_a_mismatch(vllm_tied_model_dir):
+    """The evaluator's engine process checks the parity probe after each load, as a searcher
+    does: a load whose probe log-prob is not the trainer's raises WeightsNotLoaded here, with
+    the check's message, and the process is gone."""
+    cfg = vllm_cfg(vllm_tied_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(vllm_tied_model_dir)
+    parity = probe(cfg, 1e-3)
+    engine = EngineProcess(cfg, torch.device("cpu"), 1, 0.2, parity)
+    try:
+        named = perturbed(model, seed=5)
+        expected = parity.logprob(model, 0, torch.device("cpu"))
+        engine.load_weights(named, expected)  # the weights arrived: nothing raised
+        with pytest.raises(WeightsNotLoaded, match="evaluator: post-sync parity check failed"):
+            engine.load_weights(named, expected + 5.0)
+        assert not engine.proc.is_alive()
+    finally:
+        engine.close()
 
 
 @needs_cpu_vllm
