@@ -310,9 +310,13 @@ def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
     hf_cfg = vllm_cfg(vllm_model_dir, engine="hf", max_new_tokens=24)
     on_hf = Evaluator(hf_cfg, eval_cfg, tok).accuracy(model, examples)
     evaluator = Evaluator(cfg, eval_cfg, tok, probe=probe(cfg, 1e-3))
-    on_vllm = evaluator.accuracy(model, examples)
+    try:
+        on_vllm = evaluator.accuracy(model, examples)
+    finally:
+        evaluator.close()  # its engine's process
     assert on_vllm == on_hf and 0.2 < on_hf <= 0.5
     assert evaluator.checked_loads == 1  # the parity probe matched after the load
+    assert not evaluator.vllm.proc.is_alive()
 
 
 @needs_cpu_vllm
