@@ -8,12 +8,21 @@
 
 time_to_accuracy   The tiny task (run_gsm8k's tiny preset) from one supervised warm start:
                    seconds of training until greedy accuracy on the 200 held-out sums first
-                   reaches 0.85 / 0.90 / 0.95, for asynchronous TBA and for the synchronous mode
-                   of the same code, seeds interleaved so that drift in the machine hits both.
-                   The clock starts when the first searcher is ready to generate; weights are
-                   snapshotted every second and evaluated after the run, so evaluation costs no
-                   training time. Also the mean accuracy per 30-s window, steps/s, samples/s and
-                   lag, and a PNG of accuracy against wall-clock (with matplotlib installed).
+                   reaches 0.80 / 0.85 / 0.90 (the goals compare 0.85, below the plateau of
+                   0.88-0.91), for asynchronous TBA and for the synchronous mode of the same
+                   code, seeds interleaved so that drift in the machine hits both. The clock
+                   starts when the first searcher is ready to generate; weights are snapshotted
+                   every second and evaluated after the run, so evaluation costs no training
+                   time. Also the mean accuracy per window of 30 s, of 50 steps and of
+                   trajectories generated; steps/s, samples/s; the accounting of what each step
+                   trained on (new and distinct trajectories, the share of the generated ones
+                   ever trained, lag, m, clipping) and of where the time went (searcher batch,
+                   trainer step, waits), with f, the share of a synchronous step spent in the
+                   searcher, and overlap's limit 1 / max(f, 1 - f); a PNG of accuracy against
+                   wall-clock (with matplotlib installed).
+time_to_accuracy_hard  The same on the harder tiny task (tiny.py: three-digit sums, warm start
+                   0.335 on 400 held-out sums, which RL lifts slowly for a thousand steps and
+                   more); levels 0.38 / 0.40 / 0.42, for --budget_hard seconds.
 engines            vLLM against the transformers engine on this CPU, on a Llama of tens of
                    millions of parameters with 128-token responses: tokens/s and weight-load time.
 publish            a trainer publish plus a searcher's load (another process, shared memory or
@@ -56,6 +65,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -71,7 +81,12 @@ from rewards import gsm8k_reward
 from searcher import HFEngine, Searcher, SearcherSetup, VLLMEngine
 from tba import ConfigError, TBAConfig, WeightStore, pad_token_id, run_cli
 from tiny import (
+    HARD_DATA,
+    HARD_PRESET,
+    HARD_WARM_START,
+    TINY_DATA,
     TINY_PRESET,
+    TINY_WARM_START,
     cpu_config,
     save_tiny_model,
     synthetic_problems,
@@ -81,8 +96,10 @@ from tiny import (
 )
 from trainer import Parts, Trainer, run_tba
 
+HARD = ("time_to_accuracy_hard",)  # the sections of the harder tiny task
 SECTIONS = (
     "time_to_accuracy",
+    *HARD,
     "staleness",
     "engines",
     "publish",
@@ -92,9 +109,36 @@ SECTIONS = (
     "tldr_staleness",
 )
 
-THRESHOLDS = (0.85, 0.90, 0.95)
 WINDOW_S = 30  # accuracy averaged over windows of this many seconds
-TARGET = 0.90  # the accuracy whose time the goals compare (docs/tiny.md, "Time to accuracy")
+STEP_WINDOW = 50  # and of this many steps
+
+
+@dataclass(frozen=True)
+class TimedTask:
+    """A task of the time-to-accuracy sections: its problems, warm start and preset (tiny.py),
+    the accuracies whose first crossing is timed, and the one the goals compare: below the
+    plateau, where a first crossing is not mostly evaluation noise (docs/tiny.md)."""
+
+    name: str
+    data: dict
+    warm_start: dict
+    preset: dict
+    levels: tuple[float, ...]
+    target: float
+    generated_window: int  # accuracy averaged over windows of this many trajectories generated
+
+    def examples(self) -> tuple[list[dict], list[dict], list[dict]]:
+        return tiny_task(self.data)
+
+
+TASKS = {
+    "tiny": TimedTask(
+        "tiny", TINY_DATA, TINY_WARM_START, TINY_PRESET, (0.8, 0.85, 0.9), 0.85, 10_000
+    ),
+    "hard": TimedTask(
+        "hard", HARD_DATA, HARD_WARM_START, HARD_PRESET, (0.38, 0.4, 0.42), 0.4, 40_000
+    ),
+}
 LLAMA_110M = dict(
     hidden_size=768,
     intermediate_size=2048,
@@ -171,15 +215,63 @@ class _Enough(Exception):
     """Raised from on_step to end a run on time (run_tba stops its searchers on any exit)."""
 
 
+# What each step of a run trained on and where its time went, averaged over the run's steps
+# (``ACCOUNTING_LAST``: the run's final value), for the accounting table of both modes.
+ACCOUNTING_MEAN = {
+    "new_frac": "async/new_frac",  # distinct items no step had trained on before
+    "distinct_frac": "async/distinct_frac",  # distinct items per item drawn
+    "lag": "async/lag_mean",
+    "mop_frac": "async/mop_frac",
+    "clip_frac": "offpolicy/clip_frac",
+    "rho_q10": "offpolicy/rho_q10",
+    "rho_q90": "offpolicy/rho_q90",
+    "generate_s": "time/generate",  # a searcher's generate call
+    "reference_s": "time/reference",
+    "reward_s": "time/reward",
+    "train_s": "time/forward_backward",
+    "wait_s": "time/wait",
+    "fresh_untrained": "buffer/fresh_untrained",
+}
+ACCOUNTING_LAST = {
+    "generated": "buffer/generated",
+    "trained_frac": "buffer/trained_frac",  # of the trajectories generated
+    "reuse": "buffer/reuse",  # steps that trained each trained trajectory
+}
+
+
+def accounting(rows: list[dict]) -> dict[str, float]:
+    """The run's accounting from its metrics rows (a key a run never logged is left out)."""
+    out = {}
+    for name, key in ACCOUNTING_MEAN.items():
+        values = [r[key] for r in rows if key in r]
+        if values:
+            out[name] = statistics.fmean(values)
+    for name, key in ACCOUNTING_LAST.items():
+        if key in rows[-1]:
+            out[name] = rows[-1][key]
+    out["batches"] = sum(r.get("async/batches_in", 0.0) for r in rows)
+    out["searcher_s"] = sum(out.get(k, 0.0) for k in ("generate_s", "reference_s", "reward_s"))
+    out["seconds_per_step"] = rows[-1]["wall_time"] / rows[-1]["step"]
+    return out
+
+
 def timed_run(
-    model_dir: str, synchronous: bool, seed: int, budget_s: float, overrides: dict
+    model_dir: str,
+    synchronous: bool,
+    seed: int,
+    budget_s: float,
+    overrides: dict,
+    task: str = "tiny",
 ) -> dict:
-    """One run_tba of the tiny preset for ``budget_s`` seconds of training; the weights every
-    second, then their greedy accuracy on the held-out sums."""
-    train, test, _ = tiny_task()
+    """One run_tba of ``task``'s preset for ``budget_s`` seconds of training; the weights every
+    second, then their greedy accuracy on the held-out sums, against seconds, steps and
+    trajectories generated; and the run's ``accounting``."""
+    spec = TASKS[task]
+    train, test, _ = spec.examples()
     with tempfile.TemporaryDirectory(prefix="tba_bench_") as out:
         cfg, eval_cfg = tiny_configs(
             model_dir,
+            spec.preset,
             seed=seed,
             synchronous=synchronous,
             output_dir=out,
@@ -197,6 +289,7 @@ def timed_run(
                     (
                         metrics["wall_time"],
                         trainer.step,
+                        trainer.buffer.num_added,
                         {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
                     )
                 )
@@ -211,15 +304,19 @@ def timed_run(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     evaluator = Evaluator(cfg, eval_cfg, tokenizer)
     curve = []
-    for wall, step, state in snapshots:
+    generated = []
+    for wall, step, added, state in snapshots:
         model.load_state_dict(state)
         curve.append((round(wall, 2), step, evaluator.accuracy(model, test, desc="bench eval")))
+        generated.append(added)
     last = rows[-1]
     return {
+        "task": task,
         "mode": "sync" if synchronous else "async",
         "seed": seed,
-        "curve": curve,
-        "time_to": {str(th): next((w for w, _, a in curve if a >= th), None) for th in THRESHOLDS},
+        "curve": curve,  # (seconds, step, accuracy) per snapshot
+        "generated": generated,  # trajectories generated by each snapshot
+        "time_to": {str(th): first_time(curve, th) for th in spec.levels},
         "steps_per_s": last["step"] / last["wall_time"],
         "samples_per_s": last["step"]
         * cfg.prompts_per_step
@@ -227,17 +324,55 @@ def timed_run(
         / last["wall_time"],
         "lag_mean": statistics.fmean(r["async/lag_mean"] for r in rows),
         "mop_frac": statistics.fmean(r["async/mop_frac"] for r in rows),
+        "accounting": accounting(rows),
     }
 
 
+def first_time(curve: list[tuple], level: float) -> float | None:
+    """Seconds to the first snapshot at or above ``level`` (None: never)."""
+    return next((wall for wall, _, acc in curve if acc >= level), None)
+
+
+def window_means(runs: list[dict], x: str, width: float, end: float) -> dict[str, float]:
+    """Mean accuracy of each run over each window of ``width`` along ``x`` (seconds, steps or
+    trajectories generated), median over the runs: a first crossing of a noisy curve is noisy,
+    a window of many snapshots much less."""
+
+    def along(run: dict) -> list[float]:
+        if x == "seconds":
+            return [wall for wall, _, _ in run["curve"]]
+        if x == "steps":
+            return [step for _, step, _ in run["curve"]]
+        return run["generated"]
+
+    out = {}
+    lo = 0.0
+    while lo + width <= end + 1e-9:
+        means = []
+        for run in runs:
+            inside = [
+                acc
+                for at, (_, _, acc) in zip(along(run), run["curve"], strict=True)
+                if lo <= at < lo + width
+            ]
+            means.append(statistics.fmean(inside) if inside else float("nan"))
+        out[f"{lo:g}-{lo + width:g}"] = statistics.median(means)
+        lo += width
+    return out
+
+
 def summarize(runs: list[dict], budget_s: float) -> dict:
-    """Per mode: median and range over seeds of the time to each threshold (a run that never
-    got there counts as the budget, and the count says how many did) and of throughput."""
+    """Per mode: median and range over seeds of the time to each level (a run that never got
+    there counts as the budget, and the count says how many did), of throughput and of the
+    accounting; mean accuracy per window of seconds, of steps and of trajectories generated;
+    the share f of a synchronous step spent generating and the speed-up overlap alone could
+    give, 1 / max(f, 1 - f); and the goals."""
+    spec = TASKS[runs[0]["task"]]
     out = {}
     for mode in ("async", "sync"):
         mine = [r for r in runs if r["mode"] == mode]
         row = {"seeds": len(mine)}
-        for th in map(str, THRESHOLDS):
+        for th in map(str, spec.levels):
             times = [r["time_to"][th] for r in mine]
             reached = [t for t in times if t is not None]
             filled = sorted(t if t is not None else budget_s for t in times)
@@ -249,25 +384,46 @@ def summarize(runs: list[dict], budget_s: float) -> dict:
             }
         for key in ("steps_per_s", "samples_per_s", "lag_mean", "mop_frac"):
             row[key] = statistics.median(r[key] for r in mine)
-        # One crossing of a noisy curve is noisy: also the mean accuracy over each 30-s window
-        # (about 30 snapshots), median over seeds.
-        row["window_accuracy"] = {
-            f"{lo}-{lo + WINDOW_S}": statistics.median(
-                statistics.fmean(
-                    [a for w, _, a in r["curve"] if lo <= w < lo + WINDOW_S] or [float("nan")]
-                )
-                for r in mine
-            )
-            for lo in range(0, int(budget_s) - WINDOW_S + 1, WINDOW_S)
+        row["accounting"] = {
+            name: statistics.median(r["accounting"][name] for r in mine)
+            for name in mine[0]["accounting"]
+            if all(name in r["accounting"] for r in mine)
         }
+        row["window_accuracy"] = window_means(mine, "seconds", WINDOW_S, budget_s)
         out[mode] = row
-    target = str(TARGET)
+    # Along steps and trajectories generated, as far as every run of both modes got.
+    steps_end = min(r["curve"][-1][1] for r in runs) // STEP_WINDOW * STEP_WINDOW
+    generated_end = min(r["generated"][-1] for r in runs) // spec.generated_window
+    for mode in ("async", "sync"):
+        mine = [r for r in runs if r["mode"] == mode]
+        out[mode]["step_accuracy"] = window_means(mine, "steps", STEP_WINDOW, steps_end)
+        out[mode]["generated_accuracy"] = window_means(
+            mine, "generated", spec.generated_window, generated_end * spec.generated_window
+        )
+    # Overlap's limit: a synchronous step is the searcher's batch, then the trainer's step.
+    sync = out["sync"]["accounting"]
+    f = sync["searcher_s"] / sync["seconds_per_step"]
+    out["generate_share_f"] = f
+    out["overlap_limit"] = 1 / max(f, 1 - f)
+    target = str(spec.target)
+    out["task"] = spec.name
+    out["budget_s"] = budget_s
+    out["target"] = spec.target
     out["sync_over_async"] = out["sync"][target]["median"] / out["async"][target]["median"]
     async_reached_all = out["async"][target]["reached"] == out["async"]["seeds"]
+    windows = out["async"]["window_accuracy"]
     out["goals"] = {
-        "async at most 0.6x the sync time": out["sync_over_async"] >= 1 / 0.6,
-        "async under 73 s": out["async"][target]["median"] < 73 and async_reached_all,
+        f"async to {target} in at most 0.6x the sync time": out["sync_over_async"] >= 1 / 0.6,
+        "async at least as accurate in every window": all(
+            windows[w] >= out["sync"]["window_accuracy"][w] for w in windows
+        ),
     }
+    if spec.name == "tiny":
+        # TRL's GRPOTrainer from the same warm start on the same two cores took a median
+        # 70-79 s to 0.90 (two measurements of 3 seeds); the goal is half of its faster one.
+        out["goals"]["async to 0.9 in at most half of TRL GRPO's 70 s"] = (
+            out["async"]["0.9"]["median"] <= 35.0 and async_reached_all
+        )
     return out
 
 
@@ -290,7 +446,7 @@ def plot(runs: list[dict], path: Path) -> str | None:
                 lw=1.2,
                 label=f"{mode} TBA (one line per seed)" if i == 0 else None,
             )
-    ax.axhline(TARGET, color="grey", ls="--", lw=0.8)
+    ax.axhline(TASKS[runs[0]["task"]].target, color="grey", ls="--", lw=0.8)
     ax.set_xlabel("seconds of training (evaluation excluded)")
     ax.set_ylabel("greedy accuracy, 200 held-out sums")
     ax.legend(loc="lower right")
@@ -1179,41 +1335,57 @@ def _free_port() -> int:
 # ----------------------------------------------------------------------------- report
 
 
-def print_time_to_accuracy(res: dict) -> None:
-    tta = res["time_to_accuracy"]
+def print_time_to_accuracy(res: dict, section: str, plot_path: str | None) -> None:
+    tta = res[section]
+    spec = TASKS[tta["task"]]
     print(
-        "\ntime to greedy accuracy (seconds of training, median [min-max] over "
+        f"\n{section}: time to greedy accuracy (seconds of training, median [min-max] over "
         f"{tta['async']['seeds']} seeds; a run that never got there counts as "
-        f"{res['budget_s']:.0f} s)"
+        f"{tta['budget_s']:.0f} s)"
     )
     print(
         f"{'mode':<7}"
-        + "".join(f"{'to ' + str(th):>22}" for th in THRESHOLDS)
+        + "".join(f"{'to ' + str(th):>22}" for th in spec.levels)
         + f"{'steps/s':>9}{'samples/s':>11}{'lag':>6}"
     )
     for mode in ("async", "sync"):
         row = tta[mode]
         cells = ""
-        for th in map(str, THRESHOLDS):
+        for th in map(str, spec.levels):
             times = row[th]
             cells += f"{times['median']:>8.1f} [{times['min']:.0f}-{times['max']:.0f}]"
             cells += f" {times['reached']}/{row['seeds']}"
         rates = f"{row['steps_per_s']:>9.2f}{row['samples_per_s']:>11.0f}{row['lag_mean']:>6.1f}"
         print(f"{mode:<7}{cells}{rates}")
-    windows = list(tta["async"]["window_accuracy"])
-    print("mean greedy accuracy per window of seconds (median over seeds)")
-    print(f"{'mode':<7}" + "".join(f"{w:>9}" for w in windows))
+    for key, what in (
+        ("window_accuracy", "seconds"),
+        ("step_accuracy", "steps"),
+        ("generated_accuracy", "trajectories generated"),
+    ):
+        windows = list(tta["async"][key])
+        print(f"mean greedy accuracy per window of {what} (median over seeds)")
+        print(f"{'mode':<7}" + "".join(f"{w:>14}" for w in windows))
+        for mode in ("async", "sync"):
+            print(f"{mode:<7}" + "".join(f"{tta[mode][key][w]:>14.3f}" for w in windows))
+    print("accounting (median over seeds of each run's mean per step; trained_frac and reuse")
+    print("at the end of the run; seconds per searcher batch and per trainer step)")
+    names = list(tta["async"]["accounting"])
     for mode in ("async", "sync"):
-        print(f"{mode:<7}" + "".join(f"{tta[mode]['window_accuracy'][w]:>9.3f}" for w in windows))
+        values = tta[mode]["accounting"]
+        print(f"  {mode}: " + ", ".join(f"{n} {values[n]:.3g}" for n in names if n in values))
     print(
-        f"sync / async time to {TARGET}: {tta['sync_over_async']:.2f}; "
+        f"a synchronous step spends f = {tta['generate_share_f']:.2f} of its time in the searcher; "
+        f"overlap alone gives at most 1 / max(f, 1 - f) = {tta['overlap_limit']:.2f}x"
+    )
+    print(
+        f"sync / async time to {tta['target']}: {tta['sync_over_async']:.2f}; "
         f"goals: {json.dumps(tta['goals'])}"
     )
     print(
         f"two processes over one: {res['parallel_speedup_start']:.2f} at the start, "
         f"{res['parallel_speedup_end']:.2f} at the end (2.0 = two idle cores)"
     )
-    print(f"plot: {res['plot']}")
+    print(f"plot: {plot_path}")
 
 
 def print_staleness(stale: dict) -> None:
@@ -1265,7 +1437,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke test with the same keys")
     parser.add_argument(
         "--sections",
-        default="time_to_accuracy,staleness,engines,publish,intake",
+        default="time_to_accuracy,time_to_accuracy_hard,staleness,engines,publish,intake",
         help="comma list of the sections to run (also: data_parallel, ray, tldr_staleness)",
     )
     parser.add_argument(
@@ -1275,6 +1447,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--seeds", type=int, default=3, help="seeds per mode for time to accuracy")
     parser.add_argument("--budget", type=float, default=120.0, help="seconds of training per run")
+    parser.add_argument(
+        "--budget_hard", type=float, default=240.0, help="the same for the harder tiny task"
+    )
     parser.add_argument("--lags", default="0,1,2,4,8", help="staleness: versions behind, d")
     parser.add_argument(
         "--losses",
@@ -1328,6 +1503,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise ConfigError(f"--sections: unknown {sorted(unknown)}; known: {', '.join(SECTIONS)}")
     seeds, budget = (1, 4.0) if args.quick else (args.seeds, args.budget)
+    budget_hard = 4.0 if args.quick else args.budget_hard
     res: dict = {
         "quick": args.quick,
         "machine": machine_info(),
@@ -1336,13 +1512,21 @@ def main(argv: list[str] | None = None) -> None:
         "parallel_speedup_start": parallel_speedup(1.0 if args.quick else 3.0),
     }
     with tempfile.TemporaryDirectory(prefix="tba_bench_models_") as root:
-        if args.quick:  # an untrained model: the code paths, not the learning
-            model_dir = save_tiny_model(Path(root) / "random")
-        elif {"time_to_accuracy", "staleness"}.isdisjoint(sections):
-            model_dir = None  # the other sections build their own models
-        else:
-            train, _, val = tiny_task()
-            model_dir = tiny_warm_start(Path(args.warm_start), train, val, seed=0)
+        # Every run of a task starts from its warm start (an untrained model when quick: the
+        # code paths, not the learning).
+        model_dirs = {}
+        for task, needed_by in (("tiny", ("time_to_accuracy", "staleness")), ("hard", HARD)):
+            if set(needed_by).isdisjoint(sections):
+                continue
+            spec = TASKS[task]
+            if args.quick:
+                model_dirs[task] = save_tiny_model(Path(root) / f"random_{task}")
+                continue
+            train, _, val = spec.examples()
+            where = Path(args.warm_start) if task == "tiny" else Path(args.warm_start) / task
+            model_dirs[task] = tiny_warm_start(where, train, val, 0, spec.warm_start, spec.preset)
+        model_dir = model_dirs.get("tiny")
+        stem = Path(args.out).stem
         if "data_parallel" in sections:
             log("data parallel")
             res["data_parallel"] = bench_data_parallel(
@@ -1355,21 +1539,28 @@ def main(argv: list[str] | None = None) -> None:
                 f"{dp['two_over_one_range'][0]:.2f}-{dp['two_over_one_range'][1]:.2f}); two "
                 f"processes over one on this machine: {dp['parallel_speedup']:.2f}"
             )
-        if "time_to_accuracy" in sections:
+        for task, section in (("tiny", "time_to_accuracy"), ("hard", "time_to_accuracy_hard")):
+            if section not in sections:
+                continue
+            spec = TASKS[task]
             runs = []
             for seed in range(seeds):
                 for synchronous in (False, True):
-                    log(f"time to accuracy: {'sync' if synchronous else 'async'}, seed {seed}")
-                    runs.append(timed_run(model_dir, synchronous, seed, budget, overrides))
+                    mode = "sync" if synchronous else "async"
+                    log(f"{section}: {mode}, seed {seed}")
+                    model = model_dirs[task]
+                    seconds = budget_hard if task == "hard" else budget
+                    runs.append(timed_run(model, synchronous, seed, seconds, overrides, task))
                     log(
-                        f"  to {TARGET}: {runs[-1]['time_to'][str(TARGET)]} s, "
+                        f"  to {spec.target}: {runs[-1]['time_to'][str(spec.target)]} s, "
                         f"{runs[-1]['steps_per_s']:.2f} steps/s"
                     )
-            res["runs"] = runs
-            res["time_to_accuracy"] = summarize(runs, budget)
-            res["plot"] = plot(runs, Path(args.out).with_suffix(".png"))
+            res.setdefault("runs", []).extend(runs)
+            res[section] = summarize(runs, budget_hard if task == "hard" else budget)
+            suffix = "" if task == "tiny" else f"_{task}"
+            res[f"plot{suffix}"] = plot(runs, Path(args.out).with_name(f"{stem}{suffix}.png"))
             res["parallel_speedup_end"] = parallel_speedup(1.0 if args.quick else 3.0)
-            print_time_to_accuracy(res)
+            print_time_to_accuracy(res, section, res[f"plot{suffix}"])
         if "staleness" in sections:
             lags = [0, 2] if args.quick else [int(d) for d in args.lags.split(",")]
             first_seed = args.stale_first_seed

@@ -93,6 +93,7 @@ class StoredTrajectory:
 
     __slots__ = (
         "behaviour_logprob",
+        "draws",
         "packed_token_logprobs",
         "prompt",
         "prompt_id",
@@ -112,6 +113,7 @@ class StoredTrajectory:
         version: int,
         packed_token_logprobs: dict[str, bytes] | None = None,
         behaviour_logprob: float | None = None,
+        draws: int = 0,
     ):
         self.prompt_id = prompt_id
         self.prompt = prompt  # packed prompt token ids
@@ -121,6 +123,7 @@ class StoredTrajectory:
         self.version = version
         self.packed_token_logprobs = packed_token_logprobs
         self.behaviour_logprob = behaviour_logprob
+        self.draws = draws  # how many steps ``sample`` has handed it to
 
     @classmethod
     def from_trajectory(cls, traj: Trajectory, prompt: bytes) -> StoredTrajectory:
@@ -202,6 +205,8 @@ class ReplayBuffer:
         # prompt -> its items by packed response: deduplication without a pass over the group
         self._responses: dict[Hashable, dict[bytes, StoredTrajectory]] = {}
         self.num_added = 0  # every trajectory ever added, duplicates included
+        self.num_drawn = 0  # items ``sample`` handed out, each once per step that drew it
+        self.num_drawn_first = 0  # items handed out for the first time
         self.newest_version = -1  # the newest policy version among the items (never decreases)
         self._per_version: Counter[int] = Counter()  # items held per policy version
         self._fresh: set[Hashable] = set()  # prompts refreshed since the latest mark_sync()
@@ -371,7 +376,14 @@ class ReplayBuffer:
         return batch, is_mop
 
     def _unpacked(self, items: list[StoredTrajectory]) -> list[Trajectory]:
-        """The drawn items as the records the searchers sent (a new record per draw)."""
+        """A group's drawn items as the records the searchers sent (a new record per draw). Each
+        distinct item is counted once, however often the group drew it: ``num_drawn`` counts
+        (item, step) pairs, ``num_drawn_first`` items no step had trained on before."""
+        distinct = {id(t): t for t in items}.values()
+        for t in distinct:
+            self.num_drawn_first += t.draws == 0
+            t.draws += 1
+        self.num_drawn += len(distinct)
         return [t.trajectory() for t in items]
 
     # ------------------------------------------------------------------ stats and state
@@ -387,6 +399,11 @@ class ReplayBuffer:
             "buffer/frac_newest": self._per_version[self.newest_version] / total if total else 0.0,
             "buffer/fresh": float(len(self._fresh)),
             "buffer/fresh_untrained": float(self.fresh_untrained),
+            # Every trajectory generated (duplicates included), the share of them trained at
+            # least once, and by how many steps each of those was: where the searchers' work goes.
+            "buffer/generated": float(self.num_added),
+            "buffer/trained_frac": self.num_drawn_first / self.num_added if self.num_added else 0.0,
+            "buffer/reuse": self.num_drawn / self.num_drawn_first if self.num_drawn_first else 0.0,
         }
         if current_version is not None and total:
             out["buffer/lag_mean"] = (
@@ -408,6 +425,8 @@ class ReplayBuffer:
             "inv_temp": self.inv_temp,
             "rng": _rng_state_to_list(self.rng.getstate()),
             "num_added": self.num_added,
+            "num_drawn": self.num_drawn,
+            "num_drawn_first": self.num_drawn_first,
             "newest_version": self.newest_version,
             "groups": [[pid, _columns(g)] for pid, g in self.groups.items()],
             "fresh": [pid for pid in self.groups if pid in self._fresh],
@@ -433,6 +452,7 @@ class ReplayBuffer:
         self.inv_temp = state["inv_temp"]
         self.rng.setstate(_rng_state_from_list(state["rng"]))
         self.num_added, self.newest_version = state["num_added"], state["newest_version"]
+        self.num_drawn, self.num_drawn_first = state["num_drawn"], state["num_drawn_first"]
         self.groups = {
             _key(pid): _from_columns(_key(pid), columns) for pid, columns in state["groups"]
         }
@@ -447,7 +467,7 @@ class ReplayBuffer:
 # A group's items as one record of columns, packed (``_columns``), so that the unpickler of
 # torch.load(weights_only=True), written in Python, handles a few objects per prompt rather than
 # a few hundred per trajectory.
-STATE_FORMAT = 4
+STATE_FORMAT = 5
 _COUNT_TYPE = "q"  # of versions and byte lengths in a state
 
 
@@ -475,6 +495,7 @@ def _columns(group: list[StoredTrajectory]) -> dict:
         "reward": _text(pack([t.reward for t in group], FLOAT_TYPE)),
         "ref_logprob": _text(pack([t.ref_logprob for t in group], FLOAT_TYPE)),
         "version": _text(pack([t.version for t in group], _COUNT_TYPE)),
+        "draws": _text(pack([t.draws for t in group], _COUNT_TYPE)),
         "behaviour_logprob": _text(
             pack([_nan_if_none(t.behaviour_logprob) for t in group], FLOAT_TYPE)
         ),
@@ -493,6 +514,7 @@ def _from_columns(prompt_id: Hashable, columns: dict) -> list[StoredTrajectory]:
     rewards = unpack(_bytes(columns["reward"]), FLOAT_TYPE)
     ref_logprobs = unpack(_bytes(columns["ref_logprob"]), FLOAT_TYPE)
     versions = unpack(_bytes(columns["version"]), _COUNT_TYPE)
+    draws = unpack(_bytes(columns["draws"]), _COUNT_TYPE)
     behaviour = [
         None if math.isnan(x) else x
         for x in unpack(_bytes(columns["behaviour_logprob"]), FLOAT_TYPE)
@@ -501,7 +523,7 @@ def _from_columns(prompt_id: Hashable, columns: dict) -> list[StoredTrajectory]:
         None if per_item is None else {k: _bytes(v) for k, v in per_item.items()}
         for per_item in columns["token_logprobs"]
     ]
-    lengths = {len(column) for column in (rewards, ref_logprobs, versions, behaviour)}
+    lengths = {len(column) for column in (rewards, ref_logprobs, versions, draws, behaviour)}
     if lengths | {len(token_logprobs)} != {len(sizes)}:
         raise ValueError(f"ReplayBuffer.load_state_dict: columns of unequal length, {prompt_id!r}")
     prompt = _bytes(columns["prompt_tokens"])
@@ -519,6 +541,7 @@ def _from_columns(prompt_id: Hashable, columns: dict) -> list[StoredTrajectory]:
                 versions[i],
                 token_logprobs[i],
                 behaviour[i],
+                draws[i],
             )
         )
         start += size

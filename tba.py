@@ -698,6 +698,12 @@ class TBAConfig:
         "most-on-policy and replayed alike; the trainer waits until P prompts hold such data "
         "(-1: no bound, the released run, whose replay reaches the whole buffer)",
     )
+    replay_ratio: float = knob(
+        0.0,
+        "trajectories trained per trajectory generated, at most: the trainer waits rather than "
+        "train more than this many times the searchers' output (1: each once on average, as "
+        "on-policy; 2: twice); 0: no bound, as in the released run",
+    )
     buffer_capacity: int = knob(
         100, "trajectories kept per prompt (oldest evicted, dedup by tokens)"
     )
@@ -748,6 +754,7 @@ class TBAConfig:
             "max_grad_norm",
             "tb_clip_eps",
             "inv_temp",
+            "replay_ratio",
             "vllm_kv_cache_gb",
         )
         positive = ("beta_start", "beta_end", "lr", "temperature", "timeout_s")

@@ -77,14 +77,25 @@ def test_bench_quick_writes_every_key(tmp_path):
         "total_runtime_s",
     ):
         assert key in res, key
-    tta = res["time_to_accuracy"]
-    assert {"async", "sync", "sync_over_async", "goals"} <= set(tta)
-    assert "window_accuracy" in tta["async"] and "publish_and_load_s" in res["publish"]
-    assert {r["mode"] for r in res["runs"]} == {"async", "sync"}
+    for section, task in (("time_to_accuracy", "tiny"), ("time_to_accuracy_hard", "hard")):
+        tta = res[section]
+        assert {"async", "sync", "sync_over_async", "goals", "overlap_limit"} <= set(tta)
+        assert tta["task"] == task and 0 < tta["generate_share_f"] < 1
+        for key in ("window_accuracy", "step_accuracy", "generated_accuracy", "accounting"):
+            assert key in tta["async"], key
+        for name in ("new_frac", "distinct_frac", "trained_frac", "reuse", "lag", "train_s"):
+            assert name in tta["async"]["accounting"], name
+        assert math.isfinite(tta["sync_over_async"])
+    assert "publish_and_load_s" in res["publish"]
+    assert {(r["task"], r["mode"]) for r in res["runs"]} == {
+        (task, mode) for task in ("tiny", "hard") for mode in ("async", "sync")
+    }
     for run in res["runs"]:
         assert run["curve"] and run["steps_per_s"] > 0 and run["samples_per_s"] > 0
         assert all(0 <= acc <= 1 for _, _, acc in run["curve"])
-    assert tta["sync"]["0.9"]["median"] > 0 and math.isfinite(tta["sync_over_async"])
+        assert len(run["generated"]) == len(run["curve"]) and run["generated"][0] > 0
+        assert run["accounting"]["generated"] >= run["generated"][-1]
+    assert res["time_to_accuracy"]["sync"]["0.85"]["median"] > 0
     assert (
         math.isfinite(res["publish"]["publish_over_copy"])
         and res["publish"]["publish_over_copy"] > 0
@@ -93,7 +104,8 @@ def test_bench_quick_writes_every_key(tmp_path):
     if importlib.util.find_spec("vllm") is not None:
         assert engines["vllm_tokens_per_s"] > 0 and engines["hf_tokens_per_s"] > 0
         assert engines["vllm_load_s"] > 0 and engines["hf_load_s"] > 0
-    assert "sync / async time to 0.9" in proc.stdout  # the printed report
+    assert "sync / async time to 0.85" in proc.stdout  # the printed report
+    assert "overlap alone gives at most" in proc.stdout
     stale = res["staleness"]
     assert set(stale["summary"]["tb"]) == {"0", "2"}
     by_lag = {run["lag"]: run for run in stale["runs"]}

@@ -31,6 +31,29 @@ def test_buffer_shapes_and_sampling_with_replacement():
         buf.sample(6, 2)
 
 
+def test_buffer_counts_what_the_steps_trained_on():
+    """stats() says how many trajectories were generated, the share of them some step trained
+    on, and by how many steps each of those was trained; an item a group draws twice counts
+    once, and a duplicate response replaces its item with an untrained one."""
+    buf = ReplayBuffer(capacity=4, mop_prob=1.0, seed=0)
+    for pid in (0, 1):
+        for j in (2, 3):
+            buf.add(traj(pid, [pid, j]))
+    buf.sample(1, 2)  # one prompt's two items
+    buf.sample(1, 3)  # the other prompt's (a cycle of the prompts), one of them twice
+    stats = buf.stats()
+    assert (buf.num_drawn, buf.num_drawn_first) == (4, 4)
+    assert stats["buffer/generated"] == 4
+    assert stats["buffer/trained_frac"] == 1.0 and stats["buffer/reuse"] == 1.0
+    buf.sample(2, 2)  # every item again
+    assert (buf.num_drawn, buf.num_drawn_first) == (8, 4)
+    buf.add(traj(0, [0, 2]))  # a duplicate: its newest copy, which no step trained on
+    buf.sample(2, 2)
+    stats = buf.stats()
+    assert (buf.num_drawn, buf.num_drawn_first) == (12, 5)
+    assert stats["buffer/trained_frac"] == 5 / 5 and stats["buffer/reuse"] == 12 / 5
+
+
 @pytest.mark.slow
 def test_mop_fraction_is_realised_at_the_paper_shape(tiny_model_dir):
     """Simulated searchers at the paper's shape feed the real Trainer as run_tba does: 3
@@ -157,6 +180,14 @@ class ListLayoutBuffer(ReplayBuffer):
         self.newest_version = max(self.newest_version, traj.version)
 
     def _unpacked(self, items: list) -> list[Trajectory]:
+        # the same counts, of records that have no counter: by identity (each record kept
+        # referenced, so that no identity is reused)
+        draws = self.__dict__.setdefault("draws_of", {})
+        for t in {id(t): t for t in items}.values():
+            held, count = draws.get(id(t), (t, 0))
+            self.num_drawn_first += count == 0
+            draws[id(t)] = (held, count + 1)
+            self.num_drawn += 1
         return list(items)
 
 
