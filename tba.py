@@ -353,6 +353,65 @@ def group_token_logprobs(
     model: torch.nn.Module,
     prompts: list[list[int]],
     groups: list[list[list[int]]],
+    **rule,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log pi(y_t | x, y_<t) of the K responses ``groups[i]`` to each of P
+    ``prompts[i]``, and their mask: two (B, T) tensors, B = P K rows in prompt-major order
+    (row i K + k is ``groups[i][k]``), T the longest scored response; row b holds the log-probs
+    of ``scored_tokens`` of its response in columns 0.. (fp32, of logits / ``temperature``), 0
+    in padding, where the mask (long) is 0. ``group_logprobs`` is its row sum. The keyword
+    arguments (the scoring ``rule``) are ``scored_rows``'.
+
+    A response that appears more than once in its group (a group drawn with replacement from
+    fewer than K stored responses, or a sampler that repeats itself, as a peaked policy on
+    short answers does) is scored once and its rows copied (``distinct_responses``): the same
+    values, and the same gradient, which flows back through each copy.
+    """
+    size = len(groups[0])
+    if any(len(g) != size for g in groups):
+        raise ValueError(
+            f"group_token_logprobs: groups of sizes {sorted({len(g) for g in groups})}"
+        )
+    distinct, rows = distinct_responses(groups)
+    token_logp, mask = scored_rows(model, prompts, distinct, **rule)
+    if rows is None:
+        return token_logp, mask
+    rows = rows.to(token_logp.device)
+    return token_logp[rows], mask[rows]
+
+
+def distinct_responses(
+    groups: list[list[list[int]]],
+) -> tuple[list[list[list[int]]], torch.Tensor | None]:
+    """Each group's distinct responses in order of first appearance, padded with its first to
+    the largest count D over the groups (rectangular, for ``prefill``), and the rows of the
+    (P D)-row result that hold the P K responses of ``groups`` in order; None when no group
+    repeats a response (the result is already in order)."""
+    distinct = []
+    positions = []
+    for group in groups:
+        where: dict[tuple[int, ...], int] = {}
+        kept = []
+        for response in group:
+            key = tuple(response)
+            if key not in where:
+                where[key] = len(kept)
+                kept.append(response)
+            positions.append(where[key])
+        distinct.append(kept)
+    width = max(len(kept) for kept in distinct)
+    if width == len(groups[0]):
+        return groups, None
+    padded = [kept + kept[:1] * (width - len(kept)) for kept in distinct]
+    size = len(groups[0])
+    rows = [i * width + positions[i * size + k] for i in range(len(groups)) for k in range(size)]
+    return padded, torch.tensor(rows)
+
+
+def scored_rows(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    groups: list[list[list[int]]],
     *,
     pad_id: int,
     eos_id: int,
@@ -361,11 +420,7 @@ def group_token_logprobs(
     share_prompt: bool = True,
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log pi(y_t | x, y_<t) of the K responses ``groups[i]`` to each of P
-    ``prompts[i]``, and their mask: two (B, T) tensors, B = P K rows in prompt-major order
-    (row i K + k is ``groups[i][k]``), T the longest scored response; row b holds the log-probs
-    of ``scored_tokens`` of its response in columns 0.. (fp32, of logits / ``temperature``), 0
-    in padding, where the mask (long) is 0. ``group_logprobs`` is its row sum.
+    """``group_token_logprobs`` of every row of ``groups`` (equal sizes), repeats included.
 
     ``share_prompt``: each prompt runs once and its KV cache is repeated for its K responses
     (``prefill``), instead of K forwards of prompt + response: faster where prompts are longer
@@ -373,10 +428,6 @@ def group_token_logprobs(
     included. Turn it off under gradient checkpointing, which drops the cache.
     """
     size = len(groups[0])
-    if any(len(g) != size for g in groups):
-        raise ValueError(
-            f"group_token_logprobs: groups of sizes {sorted({len(g) for g in groups})}"
-        )
     flat = [scored_tokens(r, eos_id, include_eos) for g in groups for r in g]
     targets, mask = pad(flat, pad_id, device)
     if not share_prompt:

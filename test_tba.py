@@ -25,8 +25,11 @@ from tba import (
     TBAConfig,
     WeightStore,
     beta_at,
+    distinct_responses,
     group_logprobs,
+    group_token_logprobs,
     pad_sequences,
+    scored_rows,
     sequence_logprobs,
     tb_clipped,
     tb_log_z,
@@ -384,6 +387,29 @@ def test_group_logprobs_shared_prompt_equals_one_forward_per_row(tiny_model_dir,
     assert shared.shape == (3, 3)
     torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-4)
     for a, b in zip(shared_grads, plain_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_repeated_responses_are_scored_once_with_the_same_values_and_gradient(tiny_model_dir):
+    """A group that holds a response twice or more (drawn with replacement) scores it once and
+    copies its row: the log-probs, per token and summed, and the gradient through them equal
+    scoring every row (``scored_rows``), whose weights then count each copy."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    prompts = [[5, 6, 7], [8, 9]]
+    groups = [[[20, 1], [21, 22, 1], [20, 1], [20, 1]], [[23, 1], [23, 1], [24], [25, 26, 1]]]
+    rule = dict(pad_id=0, eos_id=1, temperature=0.7, include_eos=False)
+    distinct, rows = distinct_responses(groups)
+    assert distinct == [[[20, 1], [21, 22, 1], [20, 1]], [[23, 1], [24], [25, 26, 1]]]
+    assert rows.tolist() == [0, 1, 0, 0, 3, 3, 4, 5]
+    results = []
+    for scorer in (group_token_logprobs, scored_rows):
+        token_logp, mask = scorer(model, prompts, groups, **rule)
+        weights = torch.autograd.grad((token_logp * 1.5).sum(), list(model.parameters()))
+        results.append((token_logp, mask, weights))
+    (once, once_mask, once_grads), (every, every_mask, every_grads) = results
+    assert torch.equal(once_mask, every_mask) and once.shape == (8, 2)
+    torch.testing.assert_close(once, every, rtol=1e-5, atol=1e-5)
+    for a, b in zip(once_grads, every_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
