@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from searcher import HFEngine, Searcher, SearcherSetup, VLLMEngine, WeightsNotLoaded
-from tba import WeightStore, knob, need, pad_sequences, sequence_logprobs
+from searcher import Batch, HFEngine, Searcher, SearcherSetup, VLLMEngine, WeightsNotLoaded
+from tba import WeightStore, knob, need, pad_sequences, token_logprobs
 from trainer import Parts, Trainer
 
 
@@ -95,6 +95,23 @@ class ParityProbe:
             )
 
 
+def sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """log pi(y|x) (B,) of ``tba.pad_sequences`` rows, each prompt and response in one row of
+    one forward: token t is predicted by the logits at t - 1, and prompt and padding positions
+    are masked out. The probe's scorer, apart from the shared-prompt path that the trainer and
+    the searchers score by (``tba.group_token_logprobs``); the tiny warm start and the TL;DR
+    perplexity use it too."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    token_logp = token_logprobs(logits, input_ids[:, 1:], temperature)
+    return (token_logp * response_mask[:, 1:].to(token_logp.dtype)).sum(dim=1)
+
+
 def engine_logprob(engine, prompt: list[int], response: list[int]) -> float:
     """Untempered log pi(response|prompt) under a generation engine's weights."""
     if isinstance(engine, VLLMEngine):
@@ -157,6 +174,7 @@ class CheckedSearcher(Searcher):
     def __init__(self, setup: SearcherSetup, parity: ParityProbe):
         super().__init__(setup)
         self.parity = parity
+        self.checksum: float | None = None  # of the weights held, where the engine can tell
 
     def load_newest_weights(self) -> float:
         held = self.version
@@ -164,10 +182,14 @@ class CheckedSearcher(Searcher):
         if self.version != held:
             where = f"searcher {self.rank} at version {self.version}"
             self.parity.check(self.engine, self.probe, where)
-            checksum = engine_checksum(self.engine)
-            if checksum is not None:
-                self.gauges["checksum"] = checksum
+            self.checksum = engine_checksum(self.engine)
         return seconds
+
+    def step(self) -> Batch | None:
+        batch = super().step()
+        if batch is not None and self.checksum is not None:
+            batch.stats.gauges["checksum"] = self.checksum
+        return batch
 
 
 def install(parts: Parts, parity: ParityProbe) -> Parts:

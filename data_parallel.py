@@ -66,7 +66,6 @@ from tba import (
     TBAConfig,
     group_logprobs,
     group_passes,
-    group_token_logprobs,
     knob,
     load_causal_lm,
     pad_token_id,
@@ -342,17 +341,22 @@ def sum_gradients(state, bucket):
 
 
 class GroupScorer(torch.nn.Module):
-    """``tba.group_logprobs`` (or ``group_token_logprobs``) of a model as one module call, so
-    that DDP, which reduces the gradients of what runs through its forward, covers both model
-    calls of a shared-prompt pass."""
+    """A scorer of ``Trainer.score`` (``tba.group_logprobs``, or ``group_token_logprobs``) of a
+    model as one module call, so that DDP, which reduces the gradients of what runs through its
+    forward, covers both model calls of a shared-prompt pass."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, prompts, responses, per_token: bool, **rule):
-        scorer = group_token_logprobs if per_token else group_logprobs
+    def forward(self, prompts, responses, scorer: Callable, **rule):
         return scorer(self.model, prompts, responses, **rule)
+
+
+def through_ddp(ddp: DistributedDataParallel, scorer: Callable, model, prompts, responses, **rule):
+    """``scorer`` called as ``Trainer.score`` calls it, run through ``ddp`` (a GroupScorer of
+    ``model``)."""
+    return ddp(prompts, responses, scorer, **rule)
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -435,7 +439,7 @@ class DataParallelTrainer(Trainer):
                 yield chunk  # the caller's forward and backward run inside the context
         for i in range(len(chunks), total):
             with self.gradient_sync(last=i == total - 1):
-                logp, _ = self.score(chunks[-1], per_token=True)
+                logp = self.score(chunks[-1])
                 (logp.sum() * 0.0).backward()  # the collectives, no gradient
 
     def gradient_sync(self, last: bool):
@@ -447,12 +451,11 @@ class DataParallelTrainer(Trainer):
             return _gradient_sync_off(self.model)
         return self.ddp.no_sync()
 
-    def score(self, groups: list[list[Trajectory]], per_token: bool = False):
-        if self.ddp is None:
-            return super().score(groups, per_token)
-        prompts, responses, rule = self.scoring_inputs(groups)
-        with self.autocast:
-            return self.ddp(prompts, responses, per_token, **rule)
+    def score(self, groups: list[list[Trajectory]], scorer: Callable = group_logprobs):
+        """Replicated, through DDP (``through_ddp``); sharded, as one rank scores."""
+        if self.ddp is not None:
+            scorer = functools.partial(through_ddp, self.ddp, scorer)
+        return super().score(groups, scorer)
 
     def grad_norm(self) -> torch.Tensor:
         return full_tensor(super().grad_norm())

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from buffer import Trajectory
-from tba import knob, need
+from tba import group_token_logprobs, knob, need
 from trainer import Parts, Trainer
 
 
@@ -260,7 +260,7 @@ class GRPOTrainer(Trainer):
         logp_sum = 0.0
         for chunk in self.micro_batches(groups):
             flat = [t for g in chunk for t in g]
-            logp, mask = self.score(chunk, per_token=True)
+            logp, mask = self.score(chunk, group_token_logprobs)  # per token
             for t, n in zip(flat, mask.sum(1).tolist(), strict=True):
                 behaviour, reference = t.token_logprobs["behaviour"], t.token_logprobs["reference"]
                 if len(behaviour) != n or len(reference) != n:

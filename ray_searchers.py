@@ -9,7 +9,7 @@ the run imports it (this module imports it inside the functions that use it).
 Three pieces:
 
 * ``RaySearcherPool`` (the driver, in the trainer process) stands in for ``SearcherPool``
-  (``trainer.Parts.searchers``), so ``Intake`` and ``run_tba`` use it unchanged. Each
+  (``trainer.Parts.pool``), so ``Intake`` and ``run_tba`` use it unchanged. Each
   ``collect`` (the intake thread, every ~50 ms) first notices a newer version in the trainer's
   ``WeightStore`` and ``ray.put``s it once (copied on a CUDA stream of its own, which waits for
   none of the trainer's kernels: ``StoreSnapshot``), then keeps at most ``ray_in_flight``
@@ -115,7 +115,7 @@ def install(parts: Parts, cfg: RayConfig) -> Parts:
     """``parts`` whose searchers are Ray actors when ``cfg.ray`` names a cluster."""
     if not cfg.ray:
         return parts
-    return dataclasses.replace(parts, searchers=functools.partial(RaySearcherPool, ray_cfg=cfg))
+    return dataclasses.replace(parts, pool=functools.partial(RaySearcherPool, ray_cfg=cfg))
 
 
 class NoRayCluster(RunError, ConnectionError):

@@ -49,7 +49,7 @@ from transformers import AutoTokenizer
 
 import launch
 import report
-from checks import print_summary, run_summary
+from checks import print_summary, run_summary, sequence_logprobs
 from evaluate import EvalConfig, Evaluator
 from rewards import LazyModels
 from tba import (
@@ -60,7 +60,6 @@ from tba import (
     need,
     pad_sequences,
     run_cli,
-    sequence_logprobs,
 )
 from tiny import (
     TINY_CHECKS,

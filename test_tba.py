@@ -19,6 +19,7 @@ from transformers import (
 )
 
 from buffer import ReplayBuffer, Trajectory
+from checks import sequence_logprobs
 from evaluate import to_examples
 from rewards import gsm8k_reward
 from tba import (
@@ -30,7 +31,6 @@ from tba import (
     group_token_logprobs,
     pad_sequences,
     scored_rows,
-    sequence_logprobs,
     tb_clipped,
     tb_log_z,
     tb_loss,

@@ -7,9 +7,11 @@ steps publish the weights to the ``WeightStore``. Every wait has a timeout; a fa
 is restarted (``max_searcher_restarts`` in all) unless its weights did not arrive; on any exit
 every child is stopped and, once the trainer is loaded, a checkpoint written.
 
-Reading order: ``Trainer`` (steps 2-5 as methods), ``SearcherPool`` and ``Intake`` (step 1's
-processes and step 2's thread), ``run_tba`` (the loop). Extensions plug in through ``Parts``,
-the classes ``run_tba`` builds a run from (README, "Extensions").
+Reading order: ``Trainer`` (steps 2-5 as methods), ``Intake`` (step 2's thread), ``run_tba``
+(the loop). Extensions plug in through ``Parts``, the classes ``run_tba`` builds a run from
+(README, "Extensions"). The sections marked "a learner may skip" hold the off-policy diagnostics
+and the plumbing: ``SearcherPool`` (the searcher processes, their restarts and timeouts), the
+signals and the resume.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ from tba import (
     beta_at,
     group_logprobs,
     group_passes,
-    group_token_logprobs,
     load_causal_lm,
     meta_causal_lm,
     pad_token_id,
@@ -56,32 +57,6 @@ from tba import (
 )
 
 LAG_COUNT_TOP = 4  # metrics count the trajectories of lag 0, 1, 2, 3 and 4 or more
-
-
-@torch.no_grad()
-def offpolicy_metrics(rho: torch.Tensor, clipped: int, items: int) -> dict[str, float]:
-    """How far the policy has moved from the behaviour policy on what a step trains, from
-    ``rho`` (p, K) = log pi - log pi_b of this process's items (``items`` in the whole batch):
-    ``offpolicy/clip_frac`` (share of items tb_loss's trust region took the gradient from),
-    ``rho_abs_mean``, ``rho_q10|q50|q90`` and ``ess``, the mean over groups of the effective
-    sample size of the importance weights exp(rho) as a share of K, (sum w)^2 / (K sum w^2):
-    1 on-policy, 1/K when one item carries all the weight. Each is this process's value times
-    its share of the batch, so that data-parallel ranks' values sum to the whole batch's (the
-    quantiles to a share-weighted mean of the ranks' quantiles)."""
-    share = rho.numel() / items
-    quantiles = torch.quantile(
-        rho.flatten(), torch.tensor([0.1, 0.5, 0.9], dtype=rho.dtype, device=rho.device)
-    )
-    w = torch.exp(rho - rho.max(dim=1, keepdim=True).values)  # ess is scale-free: no overflow
-    ess = w.sum(dim=1).pow(2) / (w.pow(2).sum(dim=1) * rho.shape[1])
-    return {
-        "offpolicy/clip_frac": clipped / items,
-        "offpolicy/rho_abs_mean": rho.abs().sum().item() / items,
-        "offpolicy/rho_q10": quantiles[0].item() * share,
-        "offpolicy/rho_q50": quantiles[1].item() * share,
-        "offpolicy/rho_q90": quantiles[2].item() * share,
-        "offpolicy/ess": ess.mean().item() * share,
-    }
 
 
 # ----------------------------------------------------------------------------- 2-5. the trainer
@@ -145,10 +120,11 @@ class Trainer:
             return young
         filled = len(self.buffer) >= max(cfg.initial_samples, 1)
         enough_prompts = len(self.buffer.groups) >= cfg.prompts_per_step
-        fresh = cfg.max_lag < 0 or self.buffer.newest_version >= self.step - cfg.max_lag
+        # The newest data at most max_lag versions old (the released run's barrier).
+        caught_up = cfg.max_lag < 0 or self.buffer.newest_version >= self.step - cfg.max_lag
         trained = (self.step + 1) * cfg.prompts_per_step * cfg.responses_per_prompt
         paced = cfg.replay_ratio == 0 or trained <= cfg.replay_ratio * self.buffer.num_added
-        return filled and enough_prompts and fresh and young and paced
+        return filled and enough_prompts and caught_up and young and paced
 
     def oldest_version(self) -> int | None:
         """The oldest version a step may train on (None: any): this one when synchronous
@@ -285,17 +261,11 @@ class Trainer:
         ):
             yield groups[part]
 
-    def score(self, groups: list[list[Trajectory]], per_token: bool = False):
+    def score(self, groups: list[list[Trajectory]], scorer: Callable = group_logprobs):
         """log pi of the groups' responses with gradients, by the scoring rule the searchers
-        used for log p_ref (temperature, EOS): (P, K) sums, or with ``per_token`` the (B, T)
-        token log-probs and their mask (``tba.group_token_logprobs``)."""
-        prompts, responses, rule = self.scoring_inputs(groups)
-        scorer = group_token_logprobs if per_token else group_logprobs
-        with self.autocast:
-            return scorer(self.model, prompts, responses, **rule)
-
-    def scoring_inputs(self, groups: list[list[Trajectory]]) -> tuple[list, list, dict]:
-        """The prompts, the responses by group, and the scoring rule's keyword arguments."""
+        used for log p_ref (temperature, EOS): ``scorer(model, prompts, responses, **rule)``,
+        the (P, K) sums of ``tba.group_logprobs`` unless a loss asks for another view of the
+        same rule (grpo.py: ``tba.group_token_logprobs``, per token)."""
         cfg = self.cfg
         prompts = [group[0].prompt_tokens for group in groups]
         responses = [[t.response_tokens for t in group] for group in groups]
@@ -307,7 +277,8 @@ class Trainer:
             share_prompt=not cfg.gradient_checkpointing,
             device=self.device,
         )
-        return prompts, responses, rule
+        with self.autocast:
+            return scorer(self.model, prompts, responses, **rule)
 
     def grad_norm(self) -> torch.Tensor:
         """The norm of the whole gradient, a 0-d tensor."""
@@ -394,7 +365,36 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-# ----------------------------------------------------------------------------- 1. the searchers
+# ---- off-policy diagnostics: how far the policy moved from the samplers (a learner may skip) --
+
+
+@torch.no_grad()
+def offpolicy_metrics(rho: torch.Tensor, clipped: int, items: int) -> dict[str, float]:
+    """How far the policy has moved from the behaviour policy on what a step trains, from
+    ``rho`` (p, K) = log pi - log pi_b of this process's items (``items`` in the whole batch):
+    ``offpolicy/clip_frac`` (share of items tb_loss's trust region took the gradient from),
+    ``rho_abs_mean``, ``rho_q10|q50|q90`` and ``ess``, the mean over groups of the effective
+    sample size of the importance weights exp(rho) as a share of K, (sum w)^2 / (K sum w^2):
+    1 on-policy, 1/K when one item carries all the weight. Each is this process's value times
+    its share of the batch, so that data-parallel ranks' values sum to the whole batch's (the
+    quantiles to a share-weighted mean of the ranks' quantiles)."""
+    share = rho.numel() / items
+    quantiles = torch.quantile(
+        rho.flatten(), torch.tensor([0.1, 0.5, 0.9], dtype=rho.dtype, device=rho.device)
+    )
+    w = torch.exp(rho - rho.max(dim=1, keepdim=True).values)  # ess is scale-free: no overflow
+    ess = w.sum(dim=1).pow(2) / (w.pow(2).sum(dim=1) * rho.shape[1])
+    return {
+        "offpolicy/clip_frac": clipped / items,
+        "offpolicy/rho_abs_mean": rho.abs().sum().item() / items,
+        "offpolicy/rho_q10": quantiles[0].item() * share,
+        "offpolicy/rho_q50": quantiles[1].item() * share,
+        "offpolicy/rho_q90": quantiles[2].item() * share,
+        "offpolicy/ess": ess.mean().item() * share,
+    }
+
+
+# ---- 1. plumbing: the searcher processes, their restarts, timeouts and stop (a learner may skip)
 
 
 class SearcherFailed(RunError):
@@ -587,6 +587,9 @@ class SearcherPool:
         self.queue.close()
 
 
+# ----------------------------------------------------------------------------- 2. the intake
+
+
 class Intake:
     """2. The searchers' batches collected into the buffer on a thread of its own, so that
     unpickling and adding them overlap the trainer's step (torch releases the GIL while it
@@ -651,8 +654,9 @@ class Parts:
     trainer: Callable[..., Trainer] = Trainer
     # Step 1: called as searcher(setup) in each searcher process, so it must pickle.
     searcher: Callable[[SearcherSetup], Searcher] = Searcher
-    # Starts, watches and stops the searchers; called as SearcherPool is.
-    searchers: Callable[..., SearcherPool] = SearcherPool
+    # Starts, watches and stops the searcher processes (each runs a ``searcher``); called as
+    # SearcherPool is.
+    pool: Callable[..., SearcherPool] = SearcherPool
     # Per-token log-probs the searchers attach to every trajectory (SearcherSetup).
     token_logprobs: tuple[str, ...] = ()
 
@@ -706,7 +710,7 @@ def run_tba(
     # sizes its KV cache from the GPU memory free at its start-up, and may share the trainer's
     # GPU. The store's layout needs only the policy's names and shapes.
     store = make_weight_store(cfg, meta_causal_lm(cfg.model, cfg.trust_remote_code), device)
-    searchers = parts.searchers(
+    searchers = parts.pool(
         cfg,
         examples,
         reward_fn,
@@ -802,6 +806,9 @@ def run_tba(
     return trainer
 
 
+# ---- plumbing: signals and resume (a learner may skip) ----
+
+
 def _raise_on_signals() -> dict:
     """Make SIGINT and SIGTERM raise Interrupted in the main thread; returns the old handlers.
     Both are set: a background process inherits SIGINT ignored."""
@@ -830,7 +837,7 @@ def _load_trainer(
         tqdm.write(f"resumed from {ckpt_path} at step {trainer.step}")
     elif cfg.resume:
         tqdm.write(f"--resume: no checkpoint at {ckpt_path}; starting from step 0")
-    # A resumed log keeps the rows up to the checkpoint; a fresh run starts a fresh log.
+    # A resumed log keeps the rows up to the checkpoint; a new run starts a new log.
     kept = [row for row in old_rows if row.strip() and json.loads(row)["step"] <= trainer.step]
     metrics_path.write_text("".join(row + "\n" for row in kept))
     return trainer
