@@ -91,8 +91,13 @@ def config_dict(configs: Configs) -> dict:
 
 
 def parts(configs: Configs) -> Parts:
-    """The parts of a run (trainer.Parts): TB, or what the extensions' flags ask for."""
-    chosen = grpo.install(Parts(), configs.grpo)
+    """The parts of a run (trainer.Parts): TB, or what the extensions' flags ask for, and what
+    a job's own config installs (its ``install(parts)``: run_tldr.py's schedules)."""
+    chosen = Parts()
+    for task in configs.task:
+        if hasattr(task, "install"):
+            chosen = task.install(chosen)
+    chosen = grpo.install(chosen, configs.grpo)
     probe = parity_probe(configs)
     if probe is not None:
         chosen = checks.install(chosen, probe)

@@ -55,11 +55,13 @@ from rewards import LazyModels
 from tba import (
     RunError,
     TBAConfig,
+    beta_at,
     knob,
     load_causal_lm,
     need,
     pad_sequences,
     run_cli,
+    wsd_lr_factor,
 )
 from tiny import (
     TINY_CHECKS,
@@ -69,6 +71,7 @@ from tiny import (
     tiny_evaluator,
 )
 from tiny import TINY_PRESET as GSM8K_TINY_PRESET
+from trainer import Parts, Trainer
 
 REPO = Path(__file__).resolve().parent
 
@@ -99,9 +102,70 @@ class TLDRConfig:
     reward_model: str = knob("", "paper: the training reward model (empty: the one of --size)")
     gold_model: str = knob(GOLD_MODEL, "paper: the judge of win rates")
     gold_tokenizer: str = knob(GOLD_TOKENIZER, "paper: the judge's tokenizer")
+    # The released TL;DR run's schedules, which the GSM8K run has not (``TLDRTrainer``).
+    beta_cut_step: int = knob(
+        0,
+        "from this step on beta is beta_end, wherever the anneal has reached (released TL;DR "
+        "run: 31); 0: no cut",
+    )
+    decay_shape: str = knob(
+        "cosine", "shape of the lr decay: cosine (released GSM8K run) | linear (released TL;DR run)"
+    )
 
     def __post_init__(self) -> None:
         need(self.size in SIZES, f"--size {self.size!r} is not one of {', '.join(SIZES)}")
+        need(self.beta_cut_step >= 0, f"--beta_cut_step must be >= 0, got {self.beta_cut_step}")
+        need(
+            self.decay_shape in ("cosine", "linear"),
+            f"--decay_shape {self.decay_shape!r} is not one of cosine, linear",
+        )
+
+    def install(self, parts: Parts) -> Parts:
+        """``parts`` with the TL;DR schedules in the trainer (``launch.parts`` calls this for a
+        job's config that has it), when they differ from the core's."""
+        if self.beta_cut_step == 0 and self.decay_shape == "cosine":
+            return parts
+        name = f"TLDR{parts.trainer.__name__}"
+        return dataclasses.replace(
+            parts, trainer=type(name, (TLDRTrainer, parts.trainer), {"tldr": self})
+        )
+
+
+def beta_with_cut(step: int, start: float, end: float, anneal_steps: int, cut_step: int) -> float:
+    """``tba.beta_at``, and with ``cut_step`` > 0 ``end`` from that step on, wherever the line
+    has reached (the released TL;DR run anneals 1.0 -> 0.05 over 128 updates and cuts to 0.05
+    at update 32)."""
+    if 0 < cut_step <= step:
+        return end
+    return beta_at(step, start, end, anneal_steps)
+
+
+def lr_factor(step: int, warmup: int, stable: int, decay: int, shape: str) -> float:
+    """``tba.wsd_lr_factor``, whose decay is a cosine, or with ``shape="linear"`` a line (with
+    no warmup and no stable phase, transformers' default linear schedule, the released TL;DR
+    run's)."""
+    decaying = step - warmup - stable
+    if shape == "linear" and step >= warmup and 0 <= decaying < decay:
+        return 1.0 - decaying / decay
+    return wsd_lr_factor(step, warmup, stable, decay)
+
+
+class TLDRTrainer(Trainer):
+    """The trainer with the released TL;DR run's schedules (``tldr``, set by
+    ``TLDRConfig.install``): beta cut short, the lr decayed by a line."""
+
+    tldr: TLDRConfig
+
+    def beta(self) -> float:
+        cfg = self.cfg
+        return beta_with_cut(
+            self.step, cfg.beta_start, cfg.beta_end, cfg.beta_anneal_steps, self.tldr.beta_cut_step
+        )
+
+    def lr_factor(self, update: int) -> float:
+        cfg = self.cfg
+        shape = self.tldr.decay_shape
+        return lr_factor(update, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, shape)
 
 
 # Row by row from bbartoldson/TBA: launch_training_tldr.sh (L), configs/tba_pythia2.8b_tldr.yml

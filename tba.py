@@ -215,21 +215,19 @@ def _tb_residual(
 # ----------------------------------------------------------------------------- 4. schedules
 
 
-def beta_at(step: int, start: float, end: float, anneal_steps: int, cut_step: int = 0) -> float:
-    """Linear anneal of beta from ``start`` (step 0) to ``end`` (step >= anneal_steps); with
-    ``cut_step`` > 0, ``end`` from that step on, wherever the line has reached (the released
-    TL;DR run anneals 1.0 -> 0.05 over 128 updates and cuts to 0.05 at update 32)."""
-    if anneal_steps <= 0 or 0 < cut_step <= step:
+def beta_at(step: int, start: float, end: float, anneal_steps: int) -> float:
+    """Linear anneal of beta from ``start`` (step 0) to ``end`` (step >= anneal_steps). The
+    released TL;DR run also cuts the line short (run_tldr.py, ``beta_cut_step``)."""
+    if anneal_steps <= 0:
         return end
     return start + (end - start) * min(max(step, 0) / anneal_steps, 1.0)
 
 
-def wsd_lr_factor(step: int, warmup: int, stable: int, decay: int, shape: str = "cosine") -> float:
+def wsd_lr_factor(step: int, warmup: int, stable: int, decay: int) -> float:
     """Warmup-stable-decay multiplier of the peak lr, as transformers' ``get_wsd_schedule``:
     linear from 0 over ``warmup`` steps, 1 for ``stable`` steps, then to 0 over ``decay`` steps
-    by a cosine (the released GSM8K run's) or a line (``shape="linear"``: with no warmup and
-    no stable phase, transformers' default linear schedule, the released TL;DR run's), then 0.
-    The trainer evaluates it at update t >= 1."""
+    by a cosine (the released GSM8K run's), then 0. The trainer evaluates it at update t >= 1.
+    The released TL;DR run decays by a line instead (run_tldr.py, ``decay_shape``)."""
     if step < warmup:
         return step / warmup
     step -= warmup + stable
@@ -237,8 +235,6 @@ def wsd_lr_factor(step: int, warmup: int, stable: int, decay: int, shape: str = 
         return 1.0
     if step >= decay:
         return 0.0
-    if shape == "linear":
-        return 1.0 - step / decay
     return 0.5 * (1.0 + math.cos(math.pi * step / decay))
 
 
@@ -681,11 +677,6 @@ class TBAConfig:
     beta_start: float = knob(0.014, "KL strength beta at step 0")
     beta_end: float = knob(0.004, "KL strength beta after the anneal")
     beta_anneal_steps: int = knob(500, "steps of the linear beta anneal")
-    beta_cut_step: int = knob(
-        0,
-        "from this step on beta is beta_end, wherever the anneal has reached (released TL;DR "
-        "run: 31); 0: no cut",
-    )
     tempered_logprobs: bool = knob(
         True, "log pi and log p_ref of logits / T; off: of the models (Eq. 5)"
     )
@@ -702,9 +693,6 @@ class TBAConfig:
     stable_steps: int = knob(350, "constant-lr steps after warmup")
     decay_steps: int = knob(
         600, "cosine decay-to-0 steps (released run: cut at step 700, at half the peak)"
-    )
-    decay_shape: str = knob(
-        "cosine", "shape of the lr decay: cosine (released GSM8K run) | linear (released TL;DR run)"
     )
     total_steps: int = knob(700, "trainer steps (released run: 98,000 episodes / 140 per step)")
     weight_decay: float = knob(0.0, "AdamW weight decay")
@@ -788,7 +776,6 @@ class TBAConfig:
             "stable_steps",
             "decay_steps",
             "beta_anneal_steps",
-            "beta_cut_step",
             "initial_samples",
             "weight_decay",
             "max_searcher_restarts",
@@ -837,7 +824,6 @@ class TBAConfig:
             ("dtype", ("bfloat16", "float16", "float32")),
             ("engine", ("auto", "vllm", "hf")),
             ("weight_store", ("auto", "cuda", "shared_memory")),
-            ("decay_shape", ("cosine", "linear")),
         ):
             value = getattr(self, name)
             need(value in allowed, f"--{name} {value!r} is not one of {', '.join(allowed)}")

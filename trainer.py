@@ -98,13 +98,18 @@ class Trainer:
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
         )
         # Update t = 1, 2, ... runs at factor(t), as the released code steps the scheduler first.
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer,
-            lambda s: wsd_lr_factor(
-                s + 1, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.decay_shape
-            ),
-        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: self.lr_factor(s + 1))
         return optimizer, scheduler
+
+    def lr_factor(self, update: int) -> float:
+        """4. The multiplier of the peak lr at update t = 1, 2, ...: warmup-stable-decay."""
+        cfg = self.cfg
+        return wsd_lr_factor(update, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps)
+
+    def beta(self) -> float:
+        """4. beta at this step: the linear anneal from beta_start to beta_end."""
+        cfg = self.cfg
+        return beta_at(self.step, cfg.beta_start, cfg.beta_end, cfg.beta_anneal_steps)
 
     # ------------------------------------------------------------------ 2. when to step
 
@@ -182,9 +187,7 @@ class Trainer:
         """4. One AdamW step on the loss of these P groups of K; the step count (the version)
         goes up by one. Returns the loss and optimisation metrics."""
         cfg = self.cfg
-        beta = beta_at(
-            self.step, cfg.beta_start, cfg.beta_end, cfg.beta_anneal_steps, cfg.beta_cut_step
-        )
+        beta = self.beta()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.backward(groups, beta)
         metrics["train/beta"] = beta

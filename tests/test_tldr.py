@@ -27,15 +27,14 @@ from run_tldr import RewardModelReward
 from tba import (
     RunError,
     TBAConfig,
-    beta_at,
     configs_from_args,
-    wsd_lr_factor,
 )
 from test_tba import read_metrics
 from tiny import (
     build_char_tokenizer,
     cpu_config,
 )
+from trainer import Parts, Trainer
 
 
 def test_reward_model_reward_with_tiny_classifier(tmp_path):
@@ -119,7 +118,10 @@ def test_tldr_paper_preset_is_the_released_run():
     assert grpo_cfg.loss == "tb" and tldr.data_dir == "data/tldr"
     assert (eval_cfg.eval_samples, eval_cfg.eval_test_size) == (0, 0)  # greedy, all of it
     for name, value in released.items():
-        assert getattr(cfg, name) == value, f"{name}: {getattr(cfg, name)!r} != {value!r}"
+        owner = tldr if name in ("decay_shape", "beta_cut_step") else cfg  # the job's schedules
+        assert getattr(owner, name) == value, f"{name}: {getattr(owner, name)!r} != {value!r}"
+    assert issubclass(tldr.install(Parts()).trainer, run_tldr.TLDRTrainer)
+    assert run_tldr.TLDRConfig().install(Parts()).trainer is Trainer  # nothing to change
     assert cfg.max_lag == 2 * cfg.sync_every - 1
     assert cfg.total_steps // cfg.checkpoint_every == 4  # save_steps 0.25
     assert cfg.logprob_temperature() == 0.7
@@ -136,14 +138,32 @@ def test_tldr_paper_preset_is_the_released_run():
     for step in (0, 10, 30, 31, 100):
         u = step + 1
         want = 0.05 * (u - 1) / 128 + 1.0 * (1 - (u - 1) / 128) if u < 32 else 0.05
-        got = beta_at(step, cfg.beta_start, cfg.beta_end, cfg.beta_anneal_steps, cfg.beta_cut_step)
+        got = run_tldr.beta_with_cut(
+            step, cfg.beta_start, cfg.beta_end, cfg.beta_anneal_steps, tldr.beta_cut_step
+        )
         assert got == pytest.approx(want)
     # The released lr: transformers' linear schedule with no warmup, stepped before each update.
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     reference = get_linear_schedule_with_warmup(opt, 0, 256)
     for t in range(258):
         want = reference.lr_lambdas[0](t)
-        assert wsd_lr_factor(t, 0, 0, 256, "linear") == pytest.approx(want, abs=1e-12)
+        assert run_tldr.lr_factor(t, 0, 0, 256, tldr.decay_shape) == pytest.approx(want, abs=1e-12)
+
+
+def test_tldr_trainer_runs_the_released_schedules(tiny_model_dir):
+    """The trainer TLDRConfig installs: beta cut to beta_end at beta_cut_step, and the lr
+    decayed by a line, where the core's trainer anneals on and decays by a cosine."""
+    schedule = dict(beta_start=1.0, beta_end=0.05, beta_anneal_steps=128, warmup_steps=0)
+    cfg = cpu_config(tiny_model_dir, **schedule, stable_steps=0, decay_steps=256)
+    tldr = run_tldr.TLDRConfig(beta_cut_step=31, decay_shape="linear")
+    trainer = tldr.install(Parts()).trainer(cfg, torch.device("cpu"), pad_id=0, eos_id=1)
+    plain = Trainer(cfg, torch.device("cpu"), pad_id=0, eos_id=1)
+    for step, cut in ((30, False), (31, True), (100, True)):
+        trainer.step = plain.step = step
+        assert (trainer.beta() == 0.05) == cut and plain.beta() > 0.05
+    # Update 1 runs at 1 - 1/256 on the line (and 0.99996 on the cosine).
+    assert trainer.scheduler.get_last_lr()[0] == pytest.approx(cfg.lr * (1 - 1 / 256))
+    assert plain.scheduler.get_last_lr()[0] > cfg.lr * (1 - 1 / 256)
 
 
 def test_tldr_data_loader_and_missing_data_error(tmp_path):
