@@ -242,6 +242,7 @@ class Trainer:
             loss_sum += loss.item()
             log_z_sum += tb_log_z(logp, ref, reward, beta).sum().item()
             logp_sum += logp.detach().sum().item()
+            # The rest is the off-policy diagnostics' (``offpolicy_metrics``), not the loss's.
             if behaviour is not None:
                 rhos.append(logp.detach().double() - behaviour)
             if cfg.tb_clip_eps > 0:
