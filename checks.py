@@ -181,7 +181,7 @@ class CheckedSearcher(Searcher):
         seconds = super().load_newest_weights()
         if self.version != held:
             where = f"searcher {self.rank} at version {self.version}"
-            self.parity.check(self.engine, self.probe, where)
+            self.parity.check(self.engine, self.published_probe, where)
             self.checksum = engine_checksum(self.engine)
         return seconds
 

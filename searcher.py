@@ -170,7 +170,7 @@ class Searcher:
         )
         self.ref = ref.eval().requires_grad_(False)
         self.version = -1  # of the weights the engine holds
-        self.probe = 0.0  # the probe value published with them (tba.WeightStore), for a check
+        self.published_probe = 0.0  # the number published with them (tba.WeightStore's probe)
         self.order: list[int] = []  # the shard's remaining order in this pass
         self.busy_s = 0.0  # seconds generating and scoring
         self.wall_s = 0.0  # seconds in all, since the first batch started
@@ -238,7 +238,7 @@ class Searcher:
         if self.store.version() <= self.version:
             return 0.0
         t0 = time.perf_counter()
-        self.version, self.probe = self.store.load_into(self.engine.load_weights)
+        self.version, self.published_probe = self.store.load_into(self.engine.load_weights)
         return time.perf_counter() - t0
 
     def search_once(self) -> tuple[list[Trajectory], tuple[float, float, float]]:
@@ -366,6 +366,9 @@ class Searcher:
                         f"searcher {self.rank}: trajectory queue full for "
                         f"{self.cfg.timeout_s}s; is the trainer alive?"
                     ) from None
+
+
+# ---- plumbing: the searcher process's entry point, signals and failures (a learner may skip) ----
 
 
 def searcher_main(setup: SearcherSetup, make: Callable[[SearcherSetup], Searcher]) -> None:
