@@ -7,11 +7,11 @@ steps publish the weights to the ``WeightStore``. Every wait has a timeout; a fa
 is restarted (``max_searcher_restarts`` in all) unless its weights did not arrive; on any exit
 every child is stopped and, once the trainer is loaded, a checkpoint written.
 
-Reading order: ``Trainer`` (steps 2-5 as methods), ``Intake`` (step 2's thread), ``run_tba``
-(the loop). Extensions plug in through ``Parts``, the classes ``run_tba`` builds a run from
-(README, "Extensions"). The sections marked "a learner may skip" hold the off-policy diagnostics
-and the plumbing: ``SearcherPool`` (the searcher processes, their restarts and timeouts), the
-signals and the resume.
+Reading order, top to bottom: ``Trainer`` (steps 2-5 as methods), ``Intake`` (step 2's thread),
+``run_tba`` (the loop). Extensions plug in through ``Parts``, the classes ``run_tba`` builds a
+run from (README, "Extensions"). The sections marked "a learner may skip" hold the off-policy
+diagnostics (after the Trainer) and, at the end, the plumbing: the signals and the resume, and
+``SearcherPool`` (the searcher processes, their restarts and timeouts).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -398,6 +398,262 @@ def offpolicy_metrics(rho: torch.Tensor, clipped: int, items: int) -> dict[str, 
     }
 
 
+# ----------------------------------------------------------------------------- 2. the intake
+
+
+class Intake:
+    """2. The searchers' batches collected into the buffer on a thread of its own, so that
+    unpickling and adding them overlap the trainer's step (torch releases the GIL while it
+    computes); the buffer locks itself. An error the thread meets (SearcherFailed once no restart
+    is left, or any other) ends the thread and is raised on the main thread by ``check()`` and
+    ``wait()``, which the trainer's loop calls before every step and while it waits for data."""
+
+    def __init__(self, searchers: SearcherPool, buffer: ReplayBuffer, poll_s: float = 0.05):
+        self.searchers = searchers
+        self.buffer = buffer
+        self.poll_s = poll_s
+        self.arrived = threading.Event()  # set when trajectories were added (or on an error)
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="tba-intake", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                trajectories = self.searchers.collect(self.poll_s)
+                self.buffer.extend(trajectories)
+                if trajectories:
+                    self.arrived.set()
+        except BaseException as error:  # noqa: BLE001 (raised on the main thread by check())
+            self.error = error
+            self.arrived.set()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def check(self) -> None:
+        """Raise the error that ended the thread, if one did."""
+        if self.error is not None:
+            raise self.error
+        if not self.thread.is_alive() and not self.stopping.is_set():
+            raise RuntimeError("the intake thread ended without an error")
+
+    def wait(self, timeout: float) -> None:
+        """Up to ``timeout`` s for trajectories to arrive; raises the thread's error."""
+        self.arrived.wait(timeout)
+        self.arrived.clear()
+        self.check()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the thread (it finishes the messages in hand, a searcher's restart included)."""
+        self.stopping.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise TimeoutError(f"the intake thread did not stop within {timeout}s")
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Parts:
+    """What ``run_tba`` builds a run from. An extension swaps a part for its own subclass (a
+    ``functools.partial`` binds the extension's config); README, "Extensions", lists them."""
+
+    # Steps 2-5: called as trainer(cfg, device, pad_id, eos_id).
+    trainer: Callable[..., Trainer] = Trainer
+    # Step 1: called as searcher(setup) in each searcher process, so it must pickle.
+    searcher: Callable[[SearcherSetup], Searcher] = Searcher
+    # Starts, watches and stops the searcher processes (each runs a ``searcher``); called as
+    # SearcherPool is (a factory: SearcherPool is defined at the end, with the plumbing).
+    pool: Callable[..., SearcherPool] = field(default_factory=lambda: SearcherPool)
+    # Per-token log-probs the searchers attach to every trajectory (SearcherSetup).
+    token_logprobs: tuple[str, ...] = ()
+
+
+class Interrupted(KeyboardInterrupt):
+    """The run was stopped by SIGINT or SIGTERM; its message says where, and how to resume."""
+
+
+def make_weight_store(cfg: TBAConfig, model: torch.nn.Module, device: torch.device) -> WeightStore:
+    if cfg.weight_store == "cuda" and device.type != "cuda":
+        raise ValueError("--weight_store cuda needs the trainer on a CUDA device")
+    on_gpu = cfg.weight_store == "cuda" or (cfg.weight_store == "auto" and device.type == "cuda")
+    return WeightStore(
+        list(model.named_parameters()), cfg.torch_dtype(), device if on_gpu else torch.device("cpu")
+    )
+
+
+def progress_fields(metrics: dict) -> dict[str, str]:
+    """What the progress bar shows of a step's metrics."""
+    shown = {"reward": "reward/mean", "acc": "eval/accuracy", "lag": "async/lag_mean"}
+    return {short: f"{metrics[key]:.3g}" for short, key in shown.items() if key in metrics}
+
+
+def run_tba(
+    cfg: TBAConfig,
+    examples: list[dict],
+    reward_fn: Callable,
+    *,
+    parts: Parts | None = None,
+    on_step: Callable[[Trainer, dict], None] | None = None,
+    show_progress: bool = True,
+) -> Trainer:
+    """Run TBA: searchers in child processes, the trainer here. Returns the trained Trainer.
+
+    ``examples`` are dicts with ``id`` and ``prompt`` (text) plus what ``reward_fn`` reads.
+    ``parts`` are the classes of the run (default: the paper's TB, README "Extensions").
+    ``on_step(trainer, metrics)`` runs after every step and may add keys to ``metrics`` (an
+    evaluation). Writes output_dir/metrics.jsonl and output_dir/checkpoint.pt (every
+    ``checkpoint_every`` steps and on any exit), from which ``cfg.resume`` continues.
+    """
+    parts = parts or Parts()
+    device = torch.device(cfg.trainer_device)
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads_per_process())
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out_dir / "checkpoint.pt"
+    metrics_path = out_dir / "metrics.jsonl"
+    # The searchers start before the trainer allocates anything but the store: a vLLM engine
+    # sizes its KV cache from the GPU memory free at its start-up, and may share the trainer's
+    # GPU. The store's layout needs only the policy's names and shapes.
+    store = make_weight_store(cfg, meta_causal_lm(cfg.model, cfg.trust_remote_code), device)
+    searchers = parts.pool(
+        cfg,
+        examples,
+        reward_fn,
+        store,
+        make=parts.searcher,
+        token_logprobs=parts.token_logprobs,
+        log=tqdm.write,
+    )
+    trainer = None  # set once loaded (and resumed): only then is a checkpoint written on exit
+    intake = None
+    bar = None
+    handlers = _raise_on_signals()  # Ctrl-C and SIGTERM end the run cleanly, with a checkpoint
+    try:
+        searchers.start()  # 1. the searchers run from here on, in their own processes
+        searchers.wait_ready()
+        trainer = _load_trainer(parts, cfg, device, tokenizer, ckpt_path, metrics_path)
+        trainer.publish(store)  # the first version: searchers wait for it before generating
+        intake = Intake(searchers, trainer.buffer)
+        intake.start()
+        started = time.time()  # wall_time counts training, not start-up
+        bar = tqdm(
+            total=cfg.total_steps,
+            initial=trainer.step,
+            desc="TBA",
+            disable=not show_progress,
+            dynamic_ncols=True,
+        )
+        checkpoint_s = 0.0  # seconds of the latest periodic save, reported in the next row
+        with open(metrics_path, "a") as metrics_file:
+            while trainer.step < cfg.total_steps:
+                # 2. The intake thread fills the buffer; wait only when the trainer may not step.
+                t0 = time.perf_counter()
+                intake.check()
+                deadline = time.monotonic() + cfg.timeout_s
+                while not trainer.ready():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"trainer waited {cfg.timeout_s}s for data at step {trainer.step}: "
+                            f"{len(trainer.buffer)} trajectories, the newest of version "
+                            f"{trainer.buffer.newest_version} (max_lag {cfg.max_lag}, "
+                            f"max_train_lag {cfg.max_train_lag}, replay_ratio {cfg.replay_ratio})"
+                        )
+                    intake.wait(timeout=0.2)
+                wait_s = time.perf_counter() - t0
+
+                metrics = trainer.train_step()  # 3-4. sample, TB loss, AdamW step
+
+                publish_s = 0.0
+                if cfg.synchronous or trainer.step % cfg.sync_every == 0:
+                    publish_s = trainer.publish(store)  # 5. publish every k steps
+
+                metrics = {"step": trainer.step, "wall_time": time.time() - started, **metrics}
+                metrics.update(trainer.buffer.stats(trainer.step))
+                metrics.update(searchers.metrics())
+                metrics["time/wait"] = wait_s
+                metrics["time/publish"] = publish_s
+                metrics["memory/trainer_peak_gb"] = peak_memory_gb(device)
+                metrics["time/step"] = time.perf_counter() - t0
+                metrics["time/checkpoint"] = checkpoint_s  # the save after the previous row
+                # The whole iteration but the on_step callback (evaluation), with that save:
+                # time/step over time/loop is the share of the trainer's loop that trains.
+                metrics["time/loop"] = time.perf_counter() - t0 + checkpoint_s
+                if on_step is not None:
+                    on_step(trainer, metrics)
+                print(json.dumps(metrics), file=metrics_file, flush=True)
+                bar.update(1)
+                bar.set_postfix(progress_fields(metrics))
+                # The checkpoint after the step's row: a kill between the two leaves the log a
+                # row ahead, which --resume cuts back; the other order would leave a hole.
+                checkpoint_s = 0.0
+                if trainer.step % (cfg.checkpoint_every or cfg.sync_every) == 0:
+                    t_save = time.perf_counter()
+                    trainer.save(ckpt_path)
+                    checkpoint_s = time.perf_counter() - t_save
+    except Interrupted as stop:
+        where = f"at step {trainer.step}" if trainer is not None else "before training"
+        resume = f"; {ckpt_path} continues it with --resume" if trainer is not None else ""
+        raise Interrupted(f"stopped by {stop} {where}{resume}") from None
+    finally:
+        # Cleanup runs to the end: a second Ctrl-C (or torchrun's SIGTERM to every rank) must
+        # not cut the checkpoint short.
+        for sig in handlers:
+            signal.signal(sig, signal.SIG_IGN)
+        if bar is not None:
+            bar.close()
+        if intake is not None:
+            intake.stop()  # then nothing adds to the buffer
+        searchers.stop()  # children first: every process of the run is gone before the save
+        if trainer is not None:
+            trainer.save(ckpt_path)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return trainer
+
+
+# ---- plumbing: signals and resume (a learner may skip) ----
+
+
+def _raise_on_signals() -> dict:
+    """Make SIGINT and SIGTERM raise Interrupted in the main thread; returns the old handlers.
+    Both are set: a background process inherits SIGINT ignored."""
+
+    def interrupt(signum, frame):
+        raise Interrupted(signal.Signals(signum).name)
+
+    return {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _load_trainer(
+    parts: Parts,
+    cfg: TBAConfig,
+    device: torch.device,
+    tokenizer,
+    ckpt_path: Path,
+    metrics_path: Path,
+) -> Trainer:
+    """The trainer, resumed from ``ckpt_path`` when ``cfg.resume``; metrics.jsonl cut to match."""
+    trainer = parts.trainer(cfg, device, pad_token_id(tokenizer), tokenizer.eos_token_id)
+    old_rows = []
+    if cfg.resume and metrics_path.exists():
+        old_rows = metrics_path.read_text().splitlines()
+    if cfg.resume and ckpt_path.exists():
+        trainer.load(ckpt_path)
+        tqdm.write(f"resumed from {ckpt_path} at step {trainer.step}")
+    elif cfg.resume:
+        tqdm.write(f"--resume: no checkpoint at {ckpt_path}; starting from step 0")
+    # A resumed log keeps the rows up to the checkpoint; a new run starts a new log.
+    kept = [row for row in old_rows if row.strip() and json.loads(row)["step"] <= trainer.step]
+    metrics_path.write_text("".join(row + "\n" for row in kept))
+    return trainer
+
+
 # ---- 1. plumbing: the searcher processes, their restarts, timeouts and stop (a learner may skip)
 
 
@@ -589,259 +845,3 @@ class SearcherPool:
                 p.join(timeout=3.0)
         self.queue.cancel_join_thread()
         self.queue.close()
-
-
-# ----------------------------------------------------------------------------- 2. the intake
-
-
-class Intake:
-    """2. The searchers' batches collected into the buffer on a thread of its own, so that
-    unpickling and adding them overlap the trainer's step (torch releases the GIL while it
-    computes); the buffer locks itself. An error the thread meets (SearcherFailed once no restart
-    is left, or any other) ends the thread and is raised on the main thread by ``check()`` and
-    ``wait()``, which the trainer's loop calls before every step and while it waits for data."""
-
-    def __init__(self, searchers: SearcherPool, buffer: ReplayBuffer, poll_s: float = 0.05):
-        self.searchers = searchers
-        self.buffer = buffer
-        self.poll_s = poll_s
-        self.arrived = threading.Event()  # set when trajectories were added (or on an error)
-        self.stopping = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="tba-intake", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            while not self.stopping.is_set():
-                trajectories = self.searchers.collect(self.poll_s)
-                self.buffer.extend(trajectories)
-                if trajectories:
-                    self.arrived.set()
-        except BaseException as error:  # noqa: BLE001 (raised on the main thread by check())
-            self.error = error
-            self.arrived.set()
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def check(self) -> None:
-        """Raise the error that ended the thread, if one did."""
-        if self.error is not None:
-            raise self.error
-        if not self.thread.is_alive() and not self.stopping.is_set():
-            raise RuntimeError("the intake thread ended without an error")
-
-    def wait(self, timeout: float) -> None:
-        """Up to ``timeout`` s for trajectories to arrive; raises the thread's error."""
-        self.arrived.wait(timeout)
-        self.arrived.clear()
-        self.check()
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """End the thread (it finishes the messages in hand, a searcher's restart included)."""
-        self.stopping.set()
-        if self.thread.is_alive():
-            self.thread.join(timeout)
-        if self.thread.is_alive():
-            raise TimeoutError(f"the intake thread did not stop within {timeout}s")
-
-
-# ----------------------------------------------------------------------------- the run
-
-
-@dataclass
-class Parts:
-    """What ``run_tba`` builds a run from. An extension swaps a part for its own subclass (a
-    ``functools.partial`` binds the extension's config); README, "Extensions", lists them."""
-
-    # Steps 2-5: called as trainer(cfg, device, pad_id, eos_id).
-    trainer: Callable[..., Trainer] = Trainer
-    # Step 1: called as searcher(setup) in each searcher process, so it must pickle.
-    searcher: Callable[[SearcherSetup], Searcher] = Searcher
-    # Starts, watches and stops the searcher processes (each runs a ``searcher``); called as
-    # SearcherPool is.
-    pool: Callable[..., SearcherPool] = SearcherPool
-    # Per-token log-probs the searchers attach to every trajectory (SearcherSetup).
-    token_logprobs: tuple[str, ...] = ()
-
-
-class Interrupted(KeyboardInterrupt):
-    """The run was stopped by SIGINT or SIGTERM; its message says where, and how to resume."""
-
-
-def make_weight_store(cfg: TBAConfig, model: torch.nn.Module, device: torch.device) -> WeightStore:
-    if cfg.weight_store == "cuda" and device.type != "cuda":
-        raise ValueError("--weight_store cuda needs the trainer on a CUDA device")
-    on_gpu = cfg.weight_store == "cuda" or (cfg.weight_store == "auto" and device.type == "cuda")
-    return WeightStore(
-        list(model.named_parameters()), cfg.torch_dtype(), device if on_gpu else torch.device("cpu")
-    )
-
-
-def progress_fields(metrics: dict) -> dict[str, str]:
-    """What the progress bar shows of a step's metrics."""
-    shown = {"reward": "reward/mean", "acc": "eval/accuracy", "lag": "async/lag_mean"}
-    return {short: f"{metrics[key]:.3g}" for short, key in shown.items() if key in metrics}
-
-
-def run_tba(
-    cfg: TBAConfig,
-    examples: list[dict],
-    reward_fn: Callable,
-    *,
-    parts: Parts | None = None,
-    on_step: Callable[[Trainer, dict], None] | None = None,
-    show_progress: bool = True,
-) -> Trainer:
-    """Run TBA: searchers in child processes, the trainer here. Returns the trained Trainer.
-
-    ``examples`` are dicts with ``id`` and ``prompt`` (text) plus what ``reward_fn`` reads.
-    ``parts`` are the classes of the run (default: the paper's TB, README "Extensions").
-    ``on_step(trainer, metrics)`` runs after every step and may add keys to ``metrics`` (an
-    evaluation). Writes output_dir/metrics.jsonl and output_dir/checkpoint.pt (every
-    ``checkpoint_every`` steps and on any exit), from which ``cfg.resume`` continues.
-    """
-    parts = parts or Parts()
-    device = torch.device(cfg.trainer_device)
-    torch.manual_seed(cfg.seed)
-    torch.set_num_threads(cfg.threads_per_process())
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_path = out_dir / "checkpoint.pt"
-    metrics_path = out_dir / "metrics.jsonl"
-    # The searchers start before the trainer allocates anything but the store: a vLLM engine
-    # sizes its KV cache from the GPU memory free at its start-up, and may share the trainer's
-    # GPU. The store's layout needs only the policy's names and shapes.
-    store = make_weight_store(cfg, meta_causal_lm(cfg.model, cfg.trust_remote_code), device)
-    searchers = parts.pool(
-        cfg,
-        examples,
-        reward_fn,
-        store,
-        make=parts.searcher,
-        token_logprobs=parts.token_logprobs,
-        log=tqdm.write,
-    )
-    trainer = None  # set once loaded (and resumed): only then is a checkpoint written on exit
-    intake = None
-    bar = None
-    handlers = _raise_on_signals()  # Ctrl-C and SIGTERM end the run cleanly, with a checkpoint
-    try:
-        searchers.start()  # 1. the searchers run from here on, in their own processes
-        searchers.wait_ready()
-        trainer = _load_trainer(parts, cfg, device, tokenizer, ckpt_path, metrics_path)
-        trainer.publish(store)  # the first version: searchers wait for it before generating
-        intake = Intake(searchers, trainer.buffer)
-        intake.start()
-        started = time.time()  # wall_time counts training, not start-up
-        bar = tqdm(
-            total=cfg.total_steps,
-            initial=trainer.step,
-            desc="TBA",
-            disable=not show_progress,
-            dynamic_ncols=True,
-        )
-        checkpoint_s = 0.0  # seconds of the latest periodic save, reported in the next row
-        with open(metrics_path, "a") as metrics_file:
-            while trainer.step < cfg.total_steps:
-                # 2. The intake thread fills the buffer; wait only when the trainer may not step.
-                t0 = time.perf_counter()
-                intake.check()
-                deadline = time.monotonic() + cfg.timeout_s
-                while not trainer.ready():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"trainer waited {cfg.timeout_s}s for data at step {trainer.step}: "
-                            f"{len(trainer.buffer)} trajectories, the newest of version "
-                            f"{trainer.buffer.newest_version} (max_lag {cfg.max_lag}, "
-                            f"max_train_lag {cfg.max_train_lag}, replay_ratio {cfg.replay_ratio})"
-                        )
-                    intake.wait(timeout=0.2)
-                wait_s = time.perf_counter() - t0
-
-                metrics = trainer.train_step()  # 3-4. sample, TB loss, AdamW step
-
-                publish_s = 0.0
-                if cfg.synchronous or trainer.step % cfg.sync_every == 0:
-                    publish_s = trainer.publish(store)  # 5. publish every k steps
-
-                metrics = {"step": trainer.step, "wall_time": time.time() - started, **metrics}
-                metrics.update(trainer.buffer.stats(trainer.step))
-                metrics.update(searchers.metrics())
-                metrics["time/wait"] = wait_s
-                metrics["time/publish"] = publish_s
-                metrics["memory/trainer_peak_gb"] = peak_memory_gb(device)
-                metrics["time/step"] = time.perf_counter() - t0
-                metrics["time/checkpoint"] = checkpoint_s  # the save after the previous row
-                # The whole iteration but the on_step callback (evaluation), with that save:
-                # time/step over time/loop is the share of the trainer's loop that trains.
-                metrics["time/loop"] = time.perf_counter() - t0 + checkpoint_s
-                if on_step is not None:
-                    on_step(trainer, metrics)
-                print(json.dumps(metrics), file=metrics_file, flush=True)
-                bar.update(1)
-                bar.set_postfix(progress_fields(metrics))
-                # The checkpoint after the step's row: a kill between the two leaves the log a
-                # row ahead, which --resume cuts back; the other order would leave a hole.
-                checkpoint_s = 0.0
-                if trainer.step % (cfg.checkpoint_every or cfg.sync_every) == 0:
-                    t_save = time.perf_counter()
-                    trainer.save(ckpt_path)
-                    checkpoint_s = time.perf_counter() - t_save
-    except Interrupted as stop:
-        where = f"at step {trainer.step}" if trainer is not None else "before training"
-        resume = f"; {ckpt_path} continues it with --resume" if trainer is not None else ""
-        raise Interrupted(f"stopped by {stop} {where}{resume}") from None
-    finally:
-        # Cleanup runs to the end: a second Ctrl-C (or torchrun's SIGTERM to every rank) must
-        # not cut the checkpoint short.
-        for sig in handlers:
-            signal.signal(sig, signal.SIG_IGN)
-        if bar is not None:
-            bar.close()
-        if intake is not None:
-            intake.stop()  # then nothing adds to the buffer
-        searchers.stop()  # children first: every process of the run is gone before the save
-        if trainer is not None:
-            trainer.save(ckpt_path)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    return trainer
-
-
-# ---- plumbing: signals and resume (a learner may skip) ----
-
-
-def _raise_on_signals() -> dict:
-    """Make SIGINT and SIGTERM raise Interrupted in the main thread; returns the old handlers.
-    Both are set: a background process inherits SIGINT ignored."""
-
-    def interrupt(signum, frame):
-        raise Interrupted(signal.Signals(signum).name)
-
-    return {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-
-def _load_trainer(
-    parts: Parts,
-    cfg: TBAConfig,
-    device: torch.device,
-    tokenizer,
-    ckpt_path: Path,
-    metrics_path: Path,
-) -> Trainer:
-    """The trainer, resumed from ``ckpt_path`` when ``cfg.resume``; metrics.jsonl cut to match."""
-    trainer = parts.trainer(cfg, device, pad_token_id(tokenizer), tokenizer.eos_token_id)
-    old_rows = []
-    if cfg.resume and metrics_path.exists():
-        old_rows = metrics_path.read_text().splitlines()
-    if cfg.resume and ckpt_path.exists():
-        trainer.load(ckpt_path)
-        tqdm.write(f"resumed from {ckpt_path} at step {trainer.step}")
-    elif cfg.resume:
-        tqdm.write(f"--resume: no checkpoint at {ckpt_path}; starting from step 0")
-    # A resumed log keeps the rows up to the checkpoint; a new run starts a new log.
-    kept = [row for row in old_rows if row.strip() and json.loads(row)["step"] <= trainer.step]
-    metrics_path.write_text("".join(row + "\n" for row in kept))
-    return trainer
