@@ -460,44 +460,6 @@ def group_passes(num_groups: int, group_size: int, micro_batch_size: int) -> lis
     return [slice(i, min(i + per_pass, num_groups)) for i in range(0, num_groups, per_pass)]
 
 
-# ----------------------------------------------------------------------------- models
-
-
-def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # one bar per load per process drowns the trainer's bar
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code
-    )
-    return model.to(device)
-
-
-def meta_causal_lm(path: str, trust_remote_code: bool):
-    """The model at ``path`` on the meta device: its parameter names and shapes, in the order
-    ``load_causal_lm``'s model lists them (a tied head once), with no weights read and no
-    memory taken."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-
-
-def pad_token_id(tokenizer) -> int:
-    """The tokenizer's pad id, or its EOS id when it has none (pad positions are masked out)."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """This process's peak memory in GB: on CUDA the allocator's peak reservation on ``device``
-    (model, optimizer, activations, vLLM's KV cache), else the peak resident set (RAM)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_reserved(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
-
-
 # ----------------------------------------------------------------------------- 5. the weight store
 
 
@@ -858,6 +820,44 @@ class TBAConfig:
         return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
             self.dtype
         ]
+
+
+# ---- plumbing: loading models, measuring memory (a learner may skip) ----
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per load per process drowns the trainer's bar
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, trust_remote_code=trust_remote_code
+    )
+    return model.to(device)
+
+
+def meta_causal_lm(path: str, trust_remote_code: bool):
+    """The model at ``path`` on the meta device: its parameter names and shapes, in the order
+    ``load_causal_lm``'s model lists them (a tied head once), with no weights read and no
+    memory taken."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def pad_token_id(tokenizer) -> int:
+    """The tokenizer's pad id, or its EOS id when it has none (pad positions are masked out)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """This process's peak memory in GB: on CUDA the allocator's peak reservation on ``device``
+    (model, optimizer, activations, vLLM's KV cache), else the peak resident set (RAM)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
 # ---- plumbing: the command line, and how a job ends (a learner may skip) ----
