@@ -79,7 +79,21 @@ def distinct_n(texts: list[str], n: int) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
-# ----------------------------------------------------------------------------- the vLLM engine
+# ----------------------------------------------------------------------------- the engines
+
+
+class EvalHFEngine(HFEngine):
+    """The transformers engine as an evaluation decodes: around a model in memory (the
+    trainer's: no copy, nothing to load), sampled as the searchers sample, or greedy."""
+
+    def generate(self, prompts, n, greedy=False):
+        pick = greedy_tokens if greedy else self.sample
+        return self._decode(prompts, n, pick, with_logprobs=False)[0]
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The most likely token of each row of ``logits`` (B, V): greedy decoding."""
+    return logits.argmax(-1)
 
 
 @dataclass
@@ -120,7 +134,8 @@ def engine_main(setup: EngineSetup) -> None:
                 reply = ("loaded", version)
             else:
                 _, prompts, n, greedy = request
-                reply = ("outputs", engine.generate(prompts, n, greedy=greedy))
+                extra = {"temperature": 0.0} if greedy else {}  # greedy: vLLM's temperature 0
+                reply = ("outputs", engine.generate(prompts, n, **extra))
             setup.replies.put(reply, timeout=setup.cfg.timeout_s)
     except BaseException as exc:  # noqa: BLE001 -- report all, then exit 1
         text = traceback.format_exc()
@@ -186,7 +201,7 @@ class EngineProcess:
         self._call(("load",), "loaded")
 
     def generate(self, prompts: list[list[int]], n: int, greedy: bool = False):
-        """``VLLMEngine.generate`` in the engine process."""
+        """``VLLMEngine.generate`` in the engine process (greedy: at temperature 0)."""
         return self._call(("generate", prompts, n, greedy), "outputs")
 
     def close(self, timeout: float = 10.0) -> None:
@@ -266,7 +281,7 @@ class Evaluator:
 
     def _engine(self, model: torch.nn.Module):
         if self.vllm is None:
-            return HFEngine(self.cfg, self.device, self.eos_id, self.pad_id, model=model)
+            return EvalHFEngine(self.cfg, self.device, self.eos_id, self.pad_id, model=model)
         expected = 0.0
         if self.probe is not None:
             # Scored as the trainer scores its publishes: in `dtype` when its weights are fp32.

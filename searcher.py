@@ -399,11 +399,9 @@ def searcher_main(setup: SearcherSetup, make: Callable[[SearcherSetup], Searcher
 
 
 class Engine(Protocol):  # what a searcher needs from a generation engine
-    def generate(
-        self, prompts: list[list[int]], n: int, greedy: bool = False
-    ) -> list[list[list[int]]]:
+    def generate(self, prompts: list[list[int]], n: int) -> list[list[list[int]]]:
         """For each prompt, n responses (token ids, ending in EOS unless cut at max_new_tokens)
-        sampled at the config's temperature, or greedy (evaluation)."""
+        sampled at the config's temperature. (Evaluation decodes greedily: evaluate.py.)"""
 
     def generate_with_logprobs(
         self, prompts: list[list[int]], n: int
@@ -458,32 +456,32 @@ class HFEngine:
         )
         self.params = dict(self.model.named_parameters())
 
-    def generate(self, prompts, n, greedy=False):
+    def generate(self, prompts, n):
         """The prompts run once (``tba.prefill``) and their KV cache is repeated for the n
-        samples of each; then every row draws a token per step from softmax(logits / T) (argmax
-        when greedy) until all rows have emitted EOS or max_new_tokens. transformers' generate()
-        does the same with per-token machinery that costs more than a small model's arithmetic
-        (OPERATIONS.md, "Engines")."""
-        return self._decode(prompts, n, greedy, with_logprobs=False)[0]
+        samples of each; then every row draws a token per step (``sample``) until all rows have
+        emitted EOS or max_new_tokens. transformers' generate() does the same with per-token
+        machinery that costs more than a small model's arithmetic (OPERATIONS.md, "Engines")."""
+        return self._decode(prompts, n, self.sample, with_logprobs=False)[0]
 
     def generate_with_logprobs(self, prompts, n):
         """``generate``'s samples, each token scored by ``tba.token_logprobs``, the trainer's
         formula, on the logits it was drawn from."""
-        return self._decode(prompts, n, greedy=False, with_logprobs=True)
+        return self._decode(prompts, n, self.sample, with_logprobs=True)
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """1b. A token for each row of ``logits`` (B, V), drawn from softmax(logits / T)."""
+        probs = torch.softmax(logits.float() / self.cfg.temperature, dim=-1)
+        return torch.multinomial(probs, 1).squeeze(1)
 
     @torch.no_grad()
-    def _decode(self, prompts, n, greedy, with_logprobs):
+    def _decode(self, prompts, n, pick, with_logprobs):
         logits, cache, attn = prefill(self.model, prompts, n, self.pad_id, self.device)
         position = positions(attn)[:, -1:]
         done = torch.zeros(len(attn), dtype=torch.bool, device=self.device)
         columns = []
         logp_columns = []
         for _ in range(self.cfg.max_new_tokens):
-            if greedy:
-                token = logits.argmax(-1)
-            else:
-                probs = torch.softmax(logits.float() / self.cfg.temperature, dim=-1)
-                token = torch.multinomial(probs, 1).squeeze(1)
+            token = pick(logits)  # the next token of every row
             if with_logprobs:
                 scored = token_logprobs(
                     logits[:, None], token[:, None], self.cfg.logprob_temperature()
@@ -576,24 +574,25 @@ class VLLMEngine:
                 **placement,
             )
 
-    def params(self, n: int, greedy: bool, **extra):
-        """The searchers' sampling: temperature T (0 when greedy), no top-k or top-p, stop at
-        EOS (kept in the output), at most max_new_tokens."""
-        return self._sampling(
+    def params(self, n: int, **extra):
+        """The searchers' sampling: temperature T, no top-k or top-p, stop at EOS (kept in the
+        output), at most max_new_tokens; ``extra`` adds to these, or replaces them."""
+        sampling = dict(
             n=n,
-            temperature=0.0 if greedy else self.cfg.temperature,
+            temperature=self.cfg.temperature,
             top_p=1.0,
             top_k=0,
             max_tokens=self.cfg.max_new_tokens,
             stop_token_ids=[self.eos_id],
             detokenize=False,
-            **extra,
         )
+        return self._sampling(**{**sampling, **extra})
 
-    def generate(self, prompts, n, greedy=False):
+    def generate(self, prompts, n, **extra):
+        """``n`` samples of each prompt, with the sampling ``params`` (``extra`` too)."""
         outs = self.llm.generate(
             [self._tokens(prompt_token_ids=p) for p in prompts],
-            sampling_params=self.params(n, greedy),
+            sampling_params=self.params(n, **extra),
             use_tqdm=False,
         )
         return [[list(c.token_ids) for c in o.outputs] for o in outs]
@@ -604,7 +603,7 @@ class VLLMEngine:
         of the model's logits, both fp32 (vllm/v1/sample/sampler.py)."""
         outs = self.llm.generate(
             [self._tokens(prompt_token_ids=p) for p in prompts],
-            sampling_params=self.params(n, False, logprobs=0),
+            sampling_params=self.params(n, logprobs=0),
             use_tqdm=False,
         )
         tokens = [[list(c.token_ids) for c in o.outputs] for o in outs]

@@ -22,7 +22,7 @@ from transformers import (
 )
 
 import checks
-from evaluate import EngineProcess, EvalConfig, Evaluator, to_examples
+from evaluate import EngineProcess, EvalConfig, EvalHFEngine, Evaluator, to_examples
 from grpo import padded
 from helpers import (
     REPO,
@@ -39,7 +39,6 @@ from helpers import (
 )
 from rewards import extract_answer
 from searcher import (
-    HFEngine,
     VLLMEngine,
     WeightsNotLoaded,
 )
@@ -117,7 +116,7 @@ def test_vllm_engine_generates_n_with_eos_from_the_tempered_policy(vllm_model_di
         assert (r[-1] == 1 and 1 not in r[:-1]) or (len(r) == 16 and 1 not in r)
     sampled = engine.llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in prompts],
-        engine.params(6, greedy=False, logprobs=0),
+        engine.params(6, logprobs=0),
         use_tqdm=False,
     )
     hf = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
@@ -169,11 +168,11 @@ def test_vllm_engine_loads_published_weights(vllm_model_dir):
     engine = VLLMEngine(cfg, torch.device("cpu"), eos_id=1, seed=0)
     trainer_model = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
     store = WeightStore(list(trainer_model.named_parameters()), torch.float32, torch.device("cpu"))
-    reference = HFEngine(cfg, torch.device("cpu"), eos_id=1, pad_id=0, model=trainer_model)
+    reference = EvalHFEngine(cfg, torch.device("cpu"), eos_id=1, pad_id=0, model=trainer_model)
     rng = random.Random(1)
     long_prompt = [rng.randrange(4, 90) for _ in range(150)]
     probes = [([5, 6, 7], [20, 21, 22, 1]), (long_prompt, [30, 31, 1])]
-    before = engine.generate([long_prompt], 1, greedy=True)[0][0]  # caches the prompt's blocks
+    before = engine.generate([long_prompt], 1, temperature=0.0)[0][0]  # caches the prompt's blocks
     for version in (1, 2):
         store.publish(perturbed(trainer_model, seed=version), version=version)
         assert store.load_into(engine.load_weights)[0] == version
@@ -183,7 +182,7 @@ def test_vllm_engine_loads_published_weights(vllm_model_dir):
                     trainer_model, [prompt], [[response]], pad_id=0, eos_id=1
                 ).item()
             assert checks.engine_logprob(engine, prompt, response) == pytest.approx(want, abs=1e-3)
-        greedy = engine.generate([long_prompt], 1, greedy=True)[0][0]
+        greedy = engine.generate([long_prompt], 1, temperature=0.0)[0][0]
         assert greedy == reference.generate([long_prompt], 1, greedy=True)[0][0]
         assert greedy != before
         before = greedy
@@ -270,10 +269,10 @@ def test_vllm_compiled_engine_loads_published_weights_and_keeps_the_process_rng(
 
     trainer_model = AutoModelForCausalLM.from_pretrained(vllm_tied_model_dir)
     store = WeightStore(list(trainer_model.named_parameters()), torch.float32, torch.device("cpu"))
-    reference = HFEngine(cfg, torch.device("cpu"), eos_id=1, pad_id=0, model=trainer_model)
+    reference = EvalHFEngine(cfg, torch.device("cpu"), eos_id=1, pad_id=0, model=trainer_model)
     rng = random.Random(1)
     long_prompt = [rng.randrange(4, 90) for _ in range(150)]
-    before = engine.generate([long_prompt], 1, greedy=True)[0][0]
+    before = engine.generate([long_prompt], 1, temperature=0.0)[0][0]
     store.publish(perturbed(trainer_model, seed=5), version=1)
     assert store.load_into(engine.load_weights)[0] == 1
     for prompt, response in (([5, 6, 7], [20, 21, 22, 1]), (long_prompt, [30, 31, 1])):
@@ -282,7 +281,7 @@ def test_vllm_compiled_engine_loads_published_weights_and_keeps_the_process_rng(
         assert checks.engine_logprob(engine, prompt, response) == pytest.approx(
             want.item(), abs=1e-3
         )
-    greedy = engine.generate([long_prompt], 1, greedy=True)[0][0]
+    greedy = engine.generate([long_prompt], 1, temperature=0.0)[0][0]
     assert greedy == reference.generate([long_prompt], 1, greedy=True)[0][0] != before
 
 
@@ -298,7 +297,7 @@ def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
     perturbed(model, seed=3)  # not the weights on disk: the evaluator must load them
     examples = to_examples(synthetic_problems(24, seed=5))
     cfg = vllm_cfg(vllm_model_dir, max_new_tokens=24)
-    hf_answers = HFEngine(
+    hf_answers = EvalHFEngine(
         cfg, torch.device("cpu"), tok.eos_token_id, tok.pad_token_id, model=model
     ).generate([tok(ex["prompt"])["input_ids"] for ex in examples], 1, greedy=True)
     for i, (ex, (answer,)) in enumerate(
