@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import multiprocessing
 import queue as queue_lib
 import signal
@@ -122,9 +123,10 @@ def engine_main(setup: EngineSetup) -> None:
         device = torch.device(setup.device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        engine = VLLMEngine(
-            cfg, device, setup.eos_id, cfg.seed, memory_utilization=setup.memory_utilization
-        )
+        # The evaluator's engine takes its own share of the GPU, and sizes its KV cache from it.
+        share = setup.memory_utilization or cfg.vllm_gpu_memory_utilization
+        own = dataclasses.replace(cfg, vllm_gpu_memory_utilization=share, vllm_kv_cache_gb=0.0)
+        engine = VLLMEngine(own, device, setup.eos_id, cfg.seed)
         setup.replies.put(("ready",), timeout=cfg.timeout_s)
         while (request := _next_request(setup.requests)) is not None:
             if request[0] == "load":

@@ -419,7 +419,7 @@ def make_engine(
     cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int, seed: int
 ) -> Engine:
     return (
-        VLLMEngine(cfg, device, eos_id, seed, kv_cache_gb=cfg.vllm_kv_cache_gb)
+        VLLMEngine(cfg, device, eos_id, seed)
         if wants_vllm(cfg, device)
         else HFEngine(cfg, device, eos_id, pad_id)
     )
@@ -527,8 +527,6 @@ class VLLMEngine:
         device: torch.device,
         eos_id: int,
         seed: int,
-        memory_utilization: float | None = None,
-        kv_cache_gb: float = 0.0,
     ):
         # In-process engine core: collective_rpc reaches the model here, tensors by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -544,12 +542,12 @@ class VLLMEngine:
         if device.type == "cuda":  # device_ids pins this GPU; the trainer's stays visible for IPC
             placement.update(
                 device_ids=[torch.cuda.current_device() if device.index is None else device.index],
-                gpu_memory_utilization=memory_utilization or cfg.vllm_gpu_memory_utilization,
+                gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
             )
         # A fixed KV cache skips vLLM's sizing from the memory free at start-up; on CPU a
         # memory fraction would mean a fraction of RAM, so there it is always fixed (1 GiB).
-        if kv_cache_gb > 0:
-            placement.update(kv_cache_memory_bytes=int(kv_cache_gb * 1e9))
+        if cfg.vllm_kv_cache_gb > 0:
+            placement.update(kv_cache_memory_bytes=int(cfg.vllm_kv_cache_gb * 1e9))
         elif device.type != "cuda":
             placement.update(kv_cache_memory_bytes=1 << 30)
         with _preserved_rng():  # LLM(seed=...) reseeds the whole process
