@@ -562,8 +562,8 @@ class VLLMEngine:
                 seed=seed,
                 enable_prefix_caching=True,
                 trust_remote_code=cfg.trust_remote_code,
-                # GRPO's pi_old: of logits / T (processed) or of the logits (raw), as step 4
-                # scores them
+                # The behaviour log-probs (TB's trust region, GRPO's pi_old): of logits / T
+                # (processed) or of the logits (raw), as step 4 scores them
                 logprobs_mode="processed_logprobs" if cfg.tempered_logprobs else "raw_logprobs",
                 # vLLM's own warnings reach the console (a first GPU run shows them); its
                 # INFO lines, one per engine step and start-up phase, do not.

@@ -67,8 +67,9 @@ class Trainer:
 
     ``ready`` is step 2, ``train_step`` steps 3-4 (``update`` and ``backward``: the TB loss),
     ``publish`` step 5. An extension subclasses it at these methods and at ``micro_batches``,
-    ``score``, ``grad_norm``, ``probe``, ``weights_to_publish``, ``state_dict``,
-    ``load_state_dict`` and ``whole_model`` (README, "Extensions", says who overrides what)."""
+    ``score``, ``beta``, ``lr_factor``, ``grad_norm``, ``probe``, ``weights_to_publish``,
+    ``state_dict``, ``load_state_dict`` and ``whole_model`` (README, "Extensions", says who
+    overrides what)."""
 
     def __init__(self, cfg: TBAConfig, device: torch.device, pad_id: int, eos_id: int):
         self.cfg = cfg
