@@ -1562,7 +1562,7 @@ def main(argv: list[str] | None = None) -> None:
             suffix = "" if task == "tiny" else f"_{task}"
             res[f"plot{suffix}"] = plot(runs, Path(args.out).with_name(f"{stem}{suffix}.png"))
             if args.quick:  # the start's figure: a measurement starts three processes, each
-                # importing this file (44 s on two loaded cores); intake's still measures
+                # importing this file (44 s on two loaded cores)
                 res["parallel_speedup_end"] = res["parallel_speedup_start"]
             else:
                 res["parallel_speedup_end"] = parallel_speedup(3.0)
@@ -1628,8 +1628,10 @@ def main(argv: list[str] | None = None) -> None:
                 if path is not None:
                     log(f"intake: {path}")
                     res[key] = bench_intake(str(Path(__file__).parent / path), **size)
-                    speedup = parallel_speedup(1.0 if args.quick else 3.0)
-                    res[key]["parallel_speedup_after"] = speedup
+                    if args.quick:  # the start's figure, as after time to accuracy
+                        res[key]["parallel_speedup_after"] = res["parallel_speedup_start"]
+                    else:
+                        res[key]["parallel_speedup_after"] = parallel_speedup(3.0)
                     print(f"{key} ({path}): {json.dumps(res[key])}")
     res["total_runtime_s"] = time.monotonic() - start
     Path(args.out).write_text(json.dumps(res, indent=2))
