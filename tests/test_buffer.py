@@ -54,7 +54,20 @@ def test_buffer_counts_what_the_steps_trained_on():
     assert stats["buffer/trained_frac"] == 5 / 5 and stats["buffer/reuse"] == 12 / 5
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread in this process for the test, as run_tba gives its trainer on a small
+    CPU (``TBAConfig.threads_per_process``); the previous count afterwards. On the tiny model's
+    matmuls a second thread only spins, and when the other core is busy 40 of this file's
+    trainer steps took 149 s with two threads and 3.9 s with one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
 def test_mop_fraction_is_realised_at_the_paper_shape(tiny_model_dir):
     """Simulated searchers at the paper's shape feed the real Trainer as run_tba does: 3
     searchers of different speeds (a batch of 3 prompts x 24 every 1, 1.7 and 2.9 trainer
@@ -69,6 +82,9 @@ def test_mop_fraction_is_realised_at_the_paper_shape(tiny_model_dir):
         lr=1e-4,
         max_new_tokens=4,
         initial_samples=200,
+        # One forward pass a step: which items a step draws (and so m) does not depend on the
+        # passes (test_trainer's micro-batch test); one pass costs half the time of seven here.
+        micro_batch_size=0,
     )
     trainer = Trainer(cfg, torch.device("cpu"), pad_id=0, eos_id=1)
     store = WeightStore(list(trainer.model.named_parameters()), torch.float32, torch.device("cpu"))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import json
 import logging
-import multiprocessing
 import os
 import random
 import signal
@@ -32,6 +31,7 @@ from helpers import (
     grpo_parts,
     needs_cpu_vllm,
     probe,
+    proc_stats,
     session_pids,
     stop_run,
     time_limit,
@@ -49,7 +49,7 @@ from tba import (
     group_token_logprobs,
 )
 from test_grpo import check_grpo_run
-from test_tba import digit_reward, read_metrics, tiny_cfg, tiny_examples
+from test_tba import digit_reward, tiny_cfg, tiny_examples
 from tiny import (
     cpu_config,
     save_tiny_model,
@@ -341,44 +341,6 @@ def test_evaluator_engine_process_checks_each_load_and_stops_on_a_mismatch(vllm_
 
 @needs_cpu_vllm
 @pytest.mark.slow
-def test_system_with_vllm_searchers_restarts_a_killed_one(vllm_tied_model_dir, tmp_path):
-    """run_tba with two vLLM searcher processes on CPU: versions advance, every load passes the
-    parity check, and a SIGKILLed searcher is restarted with the newest weights and delivers."""
-    cfg = tiny_cfg(
-        vllm_tied_model_dir,
-        tmp_path,
-        engine="vllm",
-        total_steps=60,
-        max_searcher_restarts=1,
-        timeout_s=180,
-    )
-    parts = checked(cfg, tolerance=1e-3)
-    killed = []
-
-    def on_step(trainer, metrics):
-        if trainer.step == 10:
-            victim = next(
-                p for p in multiprocessing.active_children() if p.name == "tba-searcher-0"
-            )
-            os.kill(victim.pid, signal.SIGKILL)
-            killed.append(trainer.step)
-        if trainer.step >= 10 and metrics.get("searcher0/version", 0) <= 10:
-            # Hold the trainer until the restarted searcher delivered: a vLLM start takes about
-            # 20 s on two idle cores, and several times that on a loaded machine.
-            time.sleep(3.0)
-
-    with time_limit(400):
-        trainer = run_tba(
-            cfg, tiny_examples(), digit_reward, parts=parts, on_step=on_step, show_progress=False
-        )
-    rows = read_metrics(tmp_path)
-    assert trainer.step == 60 and killed and rows[-1]["async/searcher_restarts"] == 1
-    assert rows[-1]["searcher0/version"] > 10 and rows[-1]["searcher1/version"] > 0
-    assert child_pids() == []
-
-
-@needs_cpu_vllm
-@pytest.mark.slow
 def test_system_grpo_with_a_vllm_searcher(vllm_tied_model_dir, tmp_path):
     """--loss grpo, synchronous, with one vLLM searcher process: vLLM's recorded log-probs are
     the trainer's (ratio 1 up to the engines' float differences), and training runs."""
@@ -398,9 +360,33 @@ def test_system_grpo_with_a_vllm_searcher(vllm_tied_model_dir, tmp_path):
     assert child_pids() == []
 
 
+def spawned_children(pid: int) -> list[int]:
+    """``pid``'s multiprocessing children (resource tracker aside), oldest first."""
+    found = [
+        (int(fields[19]), child)  # /proc/PID/stat's starttime
+        for child, fields, cmdline in proc_stats()
+        if int(fields[1]) == pid and fields[0] != "Z"
+        if "spawn_main" in cmdline and "resource_tracker" not in cmdline
+    ]
+    return [child for _, child in sorted(found)]
+
+
+def complete_rows(out: Path) -> list[dict]:
+    """metrics.jsonl's rows of a running job, a line still being written left out."""
+    lines = (out / "metrics.jsonl").read_text().split("\n")[:-1]
+    return [json.loads(line) for line in lines]
+
+
 @needs_cpu_vllm
 @pytest.mark.slow
-def test_sigint_stops_every_vllm_process(vllm_tied_model_dir, tmp_path):
+def test_vllm_run_restarts_a_killed_searcher_and_sigint_stops_every_process(
+    vllm_tied_model_dir, tmp_path
+):
+    """Two tests on one run, as both need the same vLLM processes (their start is most of
+    each one's time). The main job with two vLLM searcher processes on CPU and the evaluator's
+    vLLM engine process: versions advance, every load passes the parity check (at 1e-3, fp32
+    engines), and a SIGKILLed searcher is restarted with the newest weights and delivers;
+    then Ctrl-C (SIGINT to the main process) stops every process of the run."""
     with cli_run(
         vllm_tied_model_dir,
         tmp_path,
@@ -412,10 +398,32 @@ def test_sigint_stops_every_vllm_process(vllm_tied_model_dir, tmp_path):
         "cpu",
         "--total_steps",
         "100000",
+        "--max_searcher_restarts",
+        "1",
+        "--parity_tol",
+        "1e-3",
     ) as proc:
         wait_for_rows(tmp_path, 3, proc, timeout=240)
+        # The evaluator's engine process started first (the evaluation before training); the
+        # two searchers after it.
+        children = spawned_children(proc.pid)
+        assert len(children) == 3, children
+        killed_at = len(complete_rows(tmp_path))
+        os.kill(children[-1], signal.SIGKILL)
+        # A vLLM start takes about 20 s on two idle cores, several times that when loaded.
+        deadline = time.monotonic() + 240
+        while True:
+            last = complete_rows(tmp_path)[-1]
+            restarted = last["async/searcher_restarts"] == 1
+            versions = [last.get(f"searcher{rank}/version", 0) for rank in (0, 1)]
+            if restarted and min(versions) > killed_at:  # the killed one delivered again
+                break
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, f"no restarted searcher's data: {last}"
+            time.sleep(0.5)
         stop_run(proc, signal.SIGINT, wait_s=60, settle_s=15)
         assert session_pids(proc.pid) == [], "a process of the vLLM run survived Ctrl-C"
+        assert proc.returncode == 128 + signal.SIGINT
 
 
 @needs_cpu_vllm
