@@ -69,6 +69,10 @@ checks) name their own departures in their files; README, "Extensions", lists th
 Options beyond the paper, off in its preset, each one flag (docs/staleness.md):
   * max_train_lag: a bound on the age of everything a step trains on. The released run
     bounds only the newest data (its barrier) and replays from the whole buffer.
+  * replay_ratio: a bound on trajectories trained per trajectory generated, so that a trainer
+    faster than its searchers replays at a known rate instead of as fast as it can; with
+    max_train_lag it spends TB's tolerance for stale data on steps (docs/tiny.md, "the
+    accounting"). The released run has no such bound.
   * tb_clip_eps: a trust region for TB on each item's behaviour log-prob (``tb_loss``): an
     item the policy has already moved more than eps nats beyond where the weights that
     sampled it had it, in the direction its residual pushes, gives no gradient. The loss and
