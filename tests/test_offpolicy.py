@@ -1,0 +1,267 @@
+"""Off-policy corrections (offpolicy.py): the second-moment mask, M2PO's and the decoupled PPO
+losses against slow loops; TB's zero kept; a tabular policy trained to p_ref exp(r/beta)/Z from
+data 256 versions old."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+
+import grpo
+import offpolicy
+from offpolicy import (
+    OffPolicyConfig,
+    decoupled_ppo_loss,
+    m2po_loss,
+    second_moment_keep,
+    tb_m2_dropped,
+)
+from tba import ConfigError, tb_clipped, tb_loss
+from test_grpo import random_grpo_batch
+from test_tba import TabularPolicy
+from trainer import Parts
+
+
+def slow_keep(values: list[float], candidates: list[bool], tau: float) -> list[bool]:
+    """Drop the candidate of the largest value^2 (the later one of equals) while the mean of the
+    kept candidates' value^2 exceeds tau."""
+    kept = [i for i, c in enumerate(candidates) if c]
+    while kept and sum(values[i] ** 2 for i in kept) / len(kept) > tau:
+        kept.remove(max(kept, key=lambda i: (values[i] ** 2, i)))
+    return [not c or i in kept for i, c in enumerate(candidates)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_second_moment_keep_matches_slow_loop(seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 7, generator=gen, dtype=torch.float64) * (0.1 + seed / 4)
+    x[0, :3] = 0.5  # ties
+    candidates = torch.rand(5, 7, generator=gen) < 0.7
+    for tau in (0.0, 0.01, 0.04, 0.3, 100.0):
+        for cand in (None, candidates):
+            flat = cand.flatten().tolist() if cand is not None else [True] * x.numel()
+            want = slow_keep(x.flatten().tolist(), flat, tau)
+            got = second_moment_keep(x, tau, cand)
+            assert got.shape == x.shape
+            assert got.flatten().tolist() == want, (tau, cand is None)
+    assert second_moment_keep(torch.zeros(4), 0.0).all()  # on-policy: nothing dropped
+    with pytest.raises(ValueError):
+        second_moment_keep(x, -1.0)
+
+
+def tb_batch(seed: int, p: int = 4, k: int = 6, spread: float = 1.0):
+    gen = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(p, k, generator=gen, dtype=torch.float64) * 5
+    ref = -torch.rand(p, k, generator=gen, dtype=torch.float64) * 5
+    reward = torch.rand(p, k, generator=gen, dtype=torch.float64)
+    behaviour = logp + torch.randn(p, k, generator=gen, dtype=torch.float64) * spread
+    return logp, ref, reward, behaviour
+
+
+@pytest.mark.parametrize("pushed_only", [False, True])
+def test_tb_m2_mask_drops_only_gradient_and_keeps_the_zero(pushed_only):
+    beta, tau = 0.5, 0.2
+    logp, ref, reward, behaviour = tb_batch(0)
+    dropped = tb_m2_dropped(logp, ref, reward, beta, behaviour, tau, pushed_only)
+    rho = (logp - behaviour).flatten().tolist()
+    cand = [True] * len(rho)
+    if pushed_only:
+        cand = tb_clipped(logp, ref, reward, beta, behaviour, 0.0).flatten().tolist()
+    assert (~dropped).flatten().tolist() == slow_keep(rho, cand, tau)
+    assert 0 < dropped.sum() < dropped.numel()
+    x = logp.clone().requires_grad_()
+    plain = tb_loss(x, ref, reward, beta)
+    (g_plain,) = torch.autograd.grad(plain, x)
+    masked = tb_loss(torch.where(dropped, x.detach(), x), ref, reward, beta)
+    (g_masked,) = torch.autograd.grad(masked, x)
+    assert masked.item() == plain.item()  # the value, log Z and the residuals are the plain ones
+    torch.testing.assert_close(g_masked, torch.where(dropped, 0.0, g_plain))
+    # At the target (d constant in y for each x) every residual is 0: so is the gradient.
+    target = (ref + reward / beta + torch.randn(4, 1, dtype=torch.float64)).requires_grad_()
+    drop = tb_m2_dropped(target, ref, reward, beta, behaviour, tau, pushed_only)
+    loss = tb_loss(torch.where(drop, target.detach(), target), ref, reward, beta)
+    (g,) = torch.autograd.grad(loss, target)
+    assert loss.item() < 1e-20 and g.abs().max() < 1e-12
+
+
+def slow_m2po(logp, old, ref, mask, adv, keep, kl_coef):
+    """Loss and d loss / d logp in Python floats from m2po_loss's docstring."""
+    b, t = len(logp), len(logp[0])
+    n = max(1, sum(mask[i][j] for i in range(b) for j in range(t)))
+    total, grad = 0.0, [[0.0] * t for _ in range(b)]
+    for i in range(b):
+        for j in range(t):
+            if not mask[i][j]:
+                continue
+            if keep[i][j]:
+                r = math.exp(logp[i][j] - old[i][j])
+                total -= r * adv[i]
+                grad[i][j] -= r * adv[i]
+            x = ref[i][j] - logp[i][j]
+            total += kl_coef * (math.exp(x) - x - 1)
+            grad[i][j] += kl_coef * (1 - math.exp(x))
+    return total / n, [[g / n for g in row] for row in grad]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kl_coef", [0.0, 0.04])
+def test_m2po_loss_matches_slow_loop(seed, kl_coef):
+    logp, old, ref, mask, adv = random_grpo_batch(seed)
+    log_ratio = torch.where(mask, logp - old, 0.0)
+    keep = torch.ones_like(mask)
+    keep[mask] = second_moment_keep(log_ratio[mask], 0.04)
+    assert (mask & ~keep).any()
+    x = logp.clone().requires_grad_()
+    loss = m2po_loss(x, old, ref, mask, adv, keep, kl_coef)
+    (grad,) = torch.autograd.grad(loss, x)
+    want, want_grad = slow_m2po(
+        logp.tolist(),
+        old.tolist(),
+        ref.tolist(),
+        mask.tolist(),
+        adv.tolist(),
+        keep.tolist(),
+        kl_coef,
+    )
+    assert loss.item() == pytest.approx(want, rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(
+        grad.double(), torch.tensor(want_grad, dtype=torch.float64), rtol=1e-4, atol=1e-6
+    )
+
+
+def slow_decoupled(logp, prox, behaviour, ref, mask, adv, clip_eps, kl_coef, cap):
+    """Loss and d loss / d logp in Python floats from decoupled_ppo_loss's docstring."""
+    b, t = len(logp), len(logp[0])
+    n = max(1, sum(mask[i][j] for i in range(b) for j in range(t)))
+    total, grad = 0.0, [[0.0] * t for _ in range(b)]
+    for i in range(b):
+        for j in range(t):
+            if not mask[i][j]:
+                continue
+            w = math.exp(prox[i][j] - behaviour[i][j])
+            if cap > 0 and w > cap:
+                w = 0.0
+            u = math.exp(logp[i][j] - prox[i][j])
+            a = adv[i]
+            u_clipped = min(max(u, 1 - clip_eps), 1 + clip_eps)
+            surr, d_surr = (u * a, u * a) if u * a <= u_clipped * a else (u_clipped * a, 0.0)
+            x = ref[i][j] - logp[i][j]
+            total += -w * surr + kl_coef * (math.exp(x) - x - 1)
+            grad[i][j] = -w * d_surr + kl_coef * (1 - math.exp(x))
+    return total / n, [[g / n for g in row] for row in grad]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("cap", [0.0, 1.5])
+def test_decoupled_ppo_loss_matches_slow_loop(seed, cap):
+    logp, behaviour, ref, mask, adv = random_grpo_batch(seed)
+    gen = torch.Generator().manual_seed(100 + seed)
+    prox = logp + torch.randn(logp.shape, generator=gen, dtype=torch.float64) * 0.3
+    x = logp.clone().requires_grad_()
+    loss = decoupled_ppo_loss(x, prox, behaviour, ref, mask, adv, 0.2, 0.04, cap)
+    (grad,) = torch.autograd.grad(loss, x)
+    want, want_grad = slow_decoupled(
+        logp.tolist(),
+        prox.tolist(),
+        behaviour.tolist(),
+        ref.tolist(),
+        mask.tolist(),
+        adv.tolist(),
+        0.2,
+        0.04,
+        cap,
+    )
+    assert loss.item() == pytest.approx(want, rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(
+        grad.double(), torch.tensor(want_grad, dtype=torch.float64), rtol=1e-4, atol=1e-6
+    )
+
+
+def test_decoupled_with_the_step_start_as_proximal_is_weighted_policy_gradient():
+    """prox = logp.detach(): u = 1, nothing clipped; the gradient is -w A / n per token, and with
+    pi_b = pi_prox (on-policy) it is grpo_loss's exactly."""
+    logp, behaviour, ref, mask, adv = random_grpo_batch(7)
+    x = logp.clone().requires_grad_()
+    loss = decoupled_ppo_loss(x, x.detach(), behaviour, ref, mask, adv, 0.2, 0.0, 0.0)
+    (grad,) = torch.autograd.grad(loss, x)
+    w = torch.where(mask, torch.exp(logp - behaviour), 0.0)
+    want = -w * adv.unsqueeze(1) / mask.sum()
+    torch.testing.assert_close(grad.double(), want, rtol=1e-5, atol=1e-7)
+    loss = decoupled_ppo_loss(x, x.detach(), x.detach(), ref, mask, adv, 0.2, 0.04, 5.0)
+    (grad,) = torch.autograd.grad(loss, x)
+    base = grpo.grpo_loss(x, x.detach(), ref, mask, adv, 0.2, 0.04)
+    (want,) = torch.autograd.grad(base, x)
+    torch.testing.assert_close(grad, want)
+
+
+def tabular_stale_run(lag: int, steps: int, clip_eps: float = 0.0, tau: float = 0.0) -> float:
+    """TB on a tabular policy from data generated by the policy of ``lag`` steps before (the
+    first policy while fewer steps are done: a deque of past tables), with the trust region
+    (``clip_eps``) and/or the second-moment mask on the items pushed further from their sampler
+    (``tau``); the total variation from p_ref exp(r/beta)/Z at the end."""
+    torch.set_num_threads(1)
+    vocab, length, beta, p, k = 3, 3, 0.5, 8, 8
+    policy = TabularPolicy(vocab, length, scale=0.0)
+    ref = TabularPolicy(vocab, length, scale=1.0, seed=11)
+    behaviour = TabularPolicy(vocab, length, scale=0.0)
+    gen = torch.Generator().manual_seed(13)
+    rewards = torch.rand(len(policy.sequences), generator=gen, dtype=torch.float64)
+    reward_of = dict(zip(policy.sequences, rewards.tolist(), strict=True))
+    with torch.no_grad():
+        target = (ref.log_prob(policy.sequences) + rewards / beta).softmax(0)
+    opt = torch.optim.Adam(policy.parameters(), lr=0.1)
+    past = collections.deque([policy.logits.detach().clone()], maxlen=lag + 1)
+    for _ in range(steps):
+        with torch.no_grad():
+            behaviour.logits.copy_(past[0])  # the weights of lag versions ago
+        flat = [s for _ in range(p) for s in behaviour.sample(k, gen)]
+        logp = policy.log_prob(flat).view(p, k)
+        ref_logp = ref.log_prob(flat).view(p, k).detach()
+        behaviour_logp = behaviour.log_prob(flat).view(p, k).detach()
+        reward = torch.tensor([reward_of[s] for s in flat], dtype=torch.float64).view(p, k)
+        if tau > 0:
+            dropped = tb_m2_dropped(logp, ref_logp, reward, beta, behaviour_logp, tau, True)
+            logp = torch.where(dropped, logp.detach(), logp)
+        loss = tb_loss(logp, ref_logp, reward, beta, behaviour_logp, clip_eps)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        past.append(policy.logits.detach().clone())
+    with torch.no_grad():
+        learned = policy.log_prob(policy.sequences).exp()
+    return 0.5 * (learned - target).abs().sum().item()
+
+
+@pytest.mark.parametrize("correction", [dict(tau=0.1), dict(clip_eps=0.3)])
+def test_tb_reaches_the_target_from_data_256_versions_old(correction):
+    """Data 256 versions old (for the first 256 steps, the uniform first policy's): with the
+    second-moment mask on the pushed items, or with the trust region, the policy reaches
+    p_ref exp(r/beta)/Z -- neither moves TB's fixed point, and the sampler follows the policy."""
+    tv = tabular_stale_run(lag=256, steps=1100, **correction)
+    assert tv < 1e-3, f"total variation {tv:.5f} from the target ({correction})"
+
+
+def test_install_and_config_errors():
+    tb = offpolicy.install(Parts(), OffPolicyConfig(tb_m2_tau=0.1))
+    assert issubclass(tb.trainer, offpolicy.M2Trainer)
+    assert tb.trainer.offpolicy.tb_m2_tau == 0.1
+    assert offpolicy.install(Parts(), OffPolicyConfig()) == Parts()
+    grpo_parts = grpo.install(Parts(), grpo.GRPOConfig(loss="grpo"))
+    both = offpolicy.install(grpo_parts, OffPolicyConfig(grpo_m2po_tau=0.04))
+    assert issubclass(both.trainer, offpolicy.OffPolicyGRPOTrainer)
+    assert both.token_logprobs == ("behaviour", "reference")
+    with pytest.raises(ConfigError):
+        offpolicy.install(Parts(), OffPolicyConfig(grpo_decoupled=True))
+    with pytest.raises(ConfigError):
+        offpolicy.install(grpo_parts, OffPolicyConfig(tb_m2_tau=0.1))
+    for bad in (
+        dict(tb_m2_tau=-1.0),
+        dict(grpo_m2po_tau=-0.1),
+        dict(grpo_is_cap=0.5),
+        dict(grpo_decoupled=True, grpo_m2po_tau=0.04),
+    ):
+        with pytest.raises(ConfigError):
+            OffPolicyConfig(**bad)
