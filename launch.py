@@ -1,7 +1,8 @@
 """What every job shares (run_gsm8k.py, run_tldr.py, run_redteam.py): its command line, built from
 the configs of the core, of the job and of the extensions; the ``trainer.Parts`` its flags ask
-for (GRPO, the checks, searchers as Ray actors); torchrun's ranks (a data-parallel trainer);
-the tracker every metrics row also goes to (report.py); and where the processes go on the GPUs
+for (GRPO, the off-policy corrections, the checks, searchers as Ray actors); torchrun's ranks
+(a data-parallel trainer); the tracker every metrics row also goes to (report.py); and where
+the processes go on the GPUs
 a machine has, with which memory shares (``gpu_placement``), and why ``--preset auto`` found
 none (``auto_preset``).
 
@@ -25,6 +26,7 @@ from transformers import AutoTokenizer
 import checks
 import data_parallel
 import grpo
+import offpolicy
 import ray_searchers
 import report
 from tba import ConfigError, RunError, TBAConfig, config_argparser, configs_from_args
@@ -33,6 +35,7 @@ from trainer import Parts, Trainer, run_tba
 # The extensions every job offers, by the config that switches them on.
 EXTENSION_CONFIGS = (
     grpo.GRPOConfig,
+    offpolicy.OffPolicyConfig,
     checks.ChecksConfig,
     data_parallel.DataParallelConfig,
     ray_searchers.RayConfig,
@@ -47,6 +50,7 @@ class Configs:
 
     tba: TBAConfig
     grpo: grpo.GRPOConfig
+    offpolicy: offpolicy.OffPolicyConfig
     checks: checks.ChecksConfig
     data_parallel: data_parallel.DataParallelConfig
     ray: ray_searchers.RayConfig
@@ -70,8 +74,9 @@ def argparser(description: str, presets: list[str], *task_configs: type) -> argp
 def parse(args: argparse.Namespace, base: dict, *task_configs: type) -> Configs:
     """The configs of ``args`` over the preset ``base``; a bad value is a ConfigError."""
     tba, *rest = configs_from_args(args, base, TBAConfig, *EXTENSION_CONFIGS, *task_configs)
-    grpo_cfg, checks_cfg, dp_cfg, ray_cfg, report_cfg, *task = rest
-    return Configs(tba, grpo_cfg, checks_cfg, dp_cfg, ray_cfg, report_cfg, task)
+    grpo_cfg, offpolicy_cfg, checks_cfg, dp_cfg, ray_cfg, report_cfg, *task = rest
+    offpolicy.check(offpolicy_cfg, grpo_cfg.loss)  # before any model loads
+    return Configs(tba, grpo_cfg, offpolicy_cfg, checks_cfg, dp_cfg, ray_cfg, report_cfg, task)
 
 
 def config_dict(configs: Configs) -> dict:
@@ -80,6 +85,7 @@ def config_dict(configs: Configs) -> dict:
     for config in (
         configs.tba,
         configs.grpo,
+        configs.offpolicy,
         configs.checks,
         configs.data_parallel,
         configs.ray,
@@ -98,6 +104,7 @@ def parts(configs: Configs) -> Parts:
         if hasattr(task, "install"):
             chosen = task.install(chosen)
     chosen = grpo.install(chosen, configs.grpo)
+    chosen = offpolicy.install(chosen, configs.offpolicy)
     probe = parity_probe(configs)
     if probe is not None:
         chosen = checks.install(chosen, probe)

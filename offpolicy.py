@@ -31,14 +31,13 @@ import torch
 
 from buffer import Trajectory
 from grpo import GRPOTrainer, grpo_advantages, k3_kl, padded
-from tba import ConfigError, group_token_logprobs, knob, need, tb_clipped, tb_log_z, tb_loss
+from tba import group_token_logprobs, knob, need, tb_clipped, tb_log_z, tb_loss
 from trainer import Parts, Trainer, offpolicy_metrics
 
 
 @dataclass
 class OffPolicyConfig:
-    """Off-policy corrections for stale data (offpolicy.py): TB's second-moment mask, GRPO's
-    M2PO and decoupled PPO."""
+    """Off-policy corrections for stale data (offpolicy.py): masks, and GRPO's objectives."""
 
     tb_m2_tau: float = knob(
         0.0,
@@ -92,11 +91,7 @@ def install(parts: Parts, cfg: OffPolicyConfig) -> Parts:
     """``parts`` with the trainer of the corrections ``cfg`` asks for (its config as a class
     attribute); unchanged when none is. Call it after ``grpo.install``: the GRPO corrections
     need the GRPO trainer, the TB one the TB trainer (a ConfigError otherwise)."""
-    is_grpo = issubclass(parts.trainer, GRPOTrainer)
-    if cfg.grpo_on() and not is_grpo:
-        raise ConfigError("--grpo_m2po_tau and --grpo_decoupled need --loss grpo")
-    if cfg.tb_m2_tau > 0 and is_grpo:
-        raise ConfigError("--tb_m2_tau is TB's mask; with --loss grpo use --grpo_m2po_tau")
+    check(cfg, "grpo" if issubclass(parts.trainer, GRPOTrainer) else "tb")
     if cfg.grpo_on():
         base = OffPolicyGRPOTrainer
     elif cfg.tb_m2_tau > 0:
@@ -106,6 +101,18 @@ def install(parts: Parts, cfg: OffPolicyConfig) -> Parts:
     trainer = type(f"{base.__name__}{parts.trainer.__name__}", (base, parts.trainer), {})
     trainer.offpolicy = cfg
     return dataclasses.replace(parts, trainer=trainer)
+
+
+def check(cfg: OffPolicyConfig, loss: str) -> None:
+    """A ConfigError where ``cfg``'s corrections do not fit ``--loss``."""
+    need(
+        not cfg.grpo_on() or loss == "grpo",
+        "--grpo_m2po_tau and --grpo_decoupled need --loss grpo",
+    )
+    need(
+        cfg.tb_m2_tau == 0 or loss == "tb",
+        "--tb_m2_tau is TB's mask; with --loss grpo use --grpo_m2po_tau",
+    )
 
 
 # ----------------------------------------------------------------------------- the functions
