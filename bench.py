@@ -74,6 +74,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data_parallel
 import grpo
+import offpolicy
 import run_tldr
 from buffer import Trajectory
 from evaluate import Evaluator, to_examples
@@ -462,36 +463,71 @@ STALE_REPORT_STEPS = (100, 200, 300, 400)
 STALE_THRESHOLD = 0.85
 COLLAPSE_DROP = 0.2  # a collapse: accuracy falls this far below its best so far
 TB_CLIP_EPS = 0.3  # the tiny presets' tb_clip_eps, what the loss name tb_clip runs
+TB_M2_TAU = 0.09  # tb_m2's tau: rho^2 of whole responses, the trust region's eps squared
+M2PO_TAU = 0.04  # grpo_m2po's tau on tokens, the M2PO paper's
 STEP_KEYS = (
     "train/grad_norm",
     "policy/logp_mean",
     "reward/mean",
+    "grpo/clip_frac",
 )  # kept per step, with offpolicy/*
+# The staleness losses: a name's flags (over STALE_FLAGS), and the flag a suffix _VALUE sets.
+STALE_FLAGS = {
+    "loss": "tb",
+    "tb_clip_eps": 0.0,
+    "tb_m2_tau": 0.0,
+    "m2_pushed_only": False,
+    "grpo_m2po_tau": 0.0,
+    "grpo_decoupled": False,
+    "grpo_is_cap": offpolicy.OffPolicyConfig.grpo_is_cap,
+}
+STALE_LOSSES = {
+    "tb": ({}, None),  # plain TB, the paper's
+    "tb_clip": ({"tb_clip_eps": TB_CLIP_EPS}, "tb_clip_eps"),  # the trust region
+    "tb_m2": ({"tb_m2_tau": TB_M2_TAU}, "tb_m2_tau"),  # the second-moment mask
+    "tb_m2_pushed": ({"tb_m2_tau": TB_M2_TAU, "m2_pushed_only": True}, "tb_m2_tau"),
+    "tb_clip_m2": ({"tb_clip_eps": TB_CLIP_EPS, "tb_m2_tau": TB_M2_TAU}, "tb_m2_tau"),
+    "grpo": ({"loss": "grpo"}, None),  # the baseline
+    "grpo_m2po": ({"loss": "grpo", "grpo_m2po_tau": M2PO_TAU}, "grpo_m2po_tau"),
+    "grpo_m2po_pushed": (
+        {"loss": "grpo", "grpo_m2po_tau": M2PO_TAU, "m2_pushed_only": True},
+        "grpo_m2po_tau",
+    ),
+    "grpo_decoupled": ({"loss": "grpo", "grpo_decoupled": True}, "grpo_is_cap"),
+}
 
 
-def stale_loss(name: str) -> tuple[str, float]:
-    """A staleness loss name as (--loss, --tb_clip_eps): tb is plain TB (the paper's), tb_clip
-    TB with the tiny presets' trust region, tb_clip_EPS with that eps, grpo the baseline."""
-    if name in ("tb", "grpo"):
-        return name, 0.0
-    if name == "tb_clip":
-        return "tb", TB_CLIP_EPS
-    wrong = ConfigError(f"--losses: {name!r} is not tb, tb_clip, tb_clip_EPS (EPS > 0) or grpo")
-    if not name.startswith("tb_clip_"):
-        raise wrong
-    try:
-        eps = float(name.removeprefix("tb_clip_"))
-    except ValueError:
-        raise wrong from None
-    if not (math.isfinite(eps) and eps > 0):
-        raise wrong
-    return "tb", eps
+def stale_loss(name: str) -> dict:
+    """A staleness loss name as its flags (every key of STALE_FLAGS): tb is plain TB (the
+    paper's), tb_clip TB with the tiny presets' trust region, tb_m2 with the second-moment
+    mask (offpolicy.py), tb_m2_pushed with the mask on the pushed items only, tb_clip_m2 with
+    both, grpo the baseline, grpo_m2po M2PO, grpo_m2po_pushed M2PO's final version,
+    grpo_decoupled AReaL's decoupled PPO; NAME_VALUE sets NAME's number (tb_clip_0.1: eps 0.1,
+    tb_m2_0.04: tau 0.04, grpo_decoupled_2: the weight cap 2)."""
+    if name in STALE_LOSSES:
+        flags, _ = STALE_LOSSES[name]
+        return {**STALE_FLAGS, **flags}
+    for base, (flags, knob_name) in STALE_LOSSES.items():
+        if knob_name is None or not name.startswith(base + "_"):
+            continue
+        try:
+            value = float(name.removeprefix(base + "_"))
+        except ValueError:
+            continue
+        if math.isfinite(value) and value > 0:
+            return {**STALE_FLAGS, **flags, knob_name: value}
+    raise ConfigError(
+        f"--losses: {name!r} is not one of {', '.join(STALE_LOSSES)} "
+        "(or NAME_VALUE, VALUE > 0, for a name with a number)"
+    )
 
 
 def stale_order(name: str) -> tuple:
-    """Plain TB, then TB with clips by eps, then GRPO."""
-    loss, eps = stale_loss(name)
-    return (loss == "grpo", eps)
+    """TB's losses, then GRPO's; in each, as STALE_LOSSES lists them, then by the number."""
+    flags = stale_loss(name)
+    base = max((b for b in STALE_LOSSES if name == b or name.startswith(b + "_")), key=len)
+    knob_name = STALE_LOSSES[base][1]
+    return (flags["loss"] == "grpo", list(STALE_LOSSES).index(base), flags.get(knob_name, 0))
 
 
 def staleness_run(
@@ -512,7 +548,8 @@ def staleness_run(
     the off-policy metrics of the update (``trainer.offpolicy_metrics``) and its gradient norm
     (``steps``), with their means (``offpolicy``)."""
     torch.set_num_threads(1)
-    loss_name, clip_eps = stale_loss(loss)
+    flags = stale_loss(loss)
+    tb_flags = {"tb_clip_eps": flags["tb_clip_eps"]}
     if task == "tldr":
         train, test, _ = run_tldr.tiny_task()
         preset = run_tldr.TINY_PRESET
@@ -523,9 +560,11 @@ def staleness_run(
         reward_fn = gsm8k_reward
     with tempfile.TemporaryDirectory(prefix="tba_stale_") as out:
         cfg, eval_cfg = tiny_configs(
-            model_dir, preset, seed=seed, output_dir=out, **{"tb_clip_eps": clip_eps, **overrides}
+            model_dir, preset, seed=seed, output_dir=out, **{**tb_flags, **overrides}
         )
-        parts = grpo.install(Parts(), grpo.GRPOConfig(loss=loss_name))
+        parts = grpo.install(Parts(), grpo.GRPOConfig(loss=flags["loss"]))
+        corrections = {k: v for k, v in flags.items() if k not in ("loss", "tb_clip_eps")}
+        parts = offpolicy.install(parts, offpolicy.OffPolicyConfig(**corrections))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         torch.manual_seed(seed)
         trainer = parts.trainer(
@@ -592,7 +631,7 @@ def staleness_run(
         "offpolicy": {
             key: statistics.fmean(row[key] for row in per_step)
             for key in per_step[0]
-            if key.startswith("offpolicy/")
+            if key.startswith("offpolicy/") or key == "grpo/clip_frac"
         },
         "seconds": time.perf_counter() - t0,
     }
@@ -606,10 +645,22 @@ def _staleness_task(args: tuple) -> dict:
     return staleness_run(*args)
 
 
+STALE_MEANS = {  # summary key: the run's mean over steps (the first key a run has)
+    "clip_frac": ("offpolicy/clip_frac", "grpo/clip_frac"),  # TB's trust region; GRPO's clip
+    "mask_frac": ("offpolicy/m2_mask_frac", "offpolicy/is_cap_frac"),  # offpolicy.py's masks
+    "rho_abs_mean": ("offpolicy/rho_abs_mean",),
+    "rho_q10": ("offpolicy/rho_q10",),
+    "rho_q50": ("offpolicy/rho_q50",),
+    "rho_q90": ("offpolicy/rho_q90",),
+}
+
+
 def summarize_staleness(runs: list[dict]) -> dict:
-    """Per loss and lag: accuracy at fixed steps, the first evaluated step at or above
-    STALE_THRESHOLD, and collapses (a fall of more than COLLAPSE_DROP below the best so far),
-    per seed and as medians over seeds."""
+    """Per loss and lag: accuracy at fixed steps, its mean over the second half of the run
+    (the evaluations at steps >= steps / 2: 200-400 of 400), the first evaluated step at or
+    above STALE_THRESHOLD, collapses (a fall of more than COLLAPSE_DROP below the best so far),
+    and the means over steps of STALE_MEANS (the share of items, or GRPO's tokens, clipped or
+    masked; rho = log pi - log pi_b of whole responses), per seed and as medians over seeds."""
     out: dict = {}
     for run in runs:
         accuracy = dict(run["curve"])
@@ -619,17 +670,23 @@ def summarize_staleness(runs: list[dict]) -> dict:
             best = max(best, acc)
             worst_drop = max(worst_drop, best - acc)
         reached = [step for step, acc in run["curve"] if acc >= STALE_THRESHOLD]
+        last = run["curve"][-1][0]
+        second_half = [acc for step, acc in run["curve"] if step >= last / 2]
+        means = run.get("offpolicy", {})
         row = out.setdefault(run["loss"], {}).setdefault(str(run["lag"]), {"seeds": []})
         row["seeds"].append(
             {
                 "seed": run["seed"],
                 "at": {str(s): accuracy.get(s) for s in STALE_REPORT_STEPS},
                 "final": run["curve"][-1][1],
+                "mean_second_half": statistics.fmean(second_half),
                 "steps_to": reached[0] if reached else None,
                 "worst_drop": worst_drop,
                 "collapsed": worst_drop > COLLAPSE_DROP,
-                "clip_frac": run.get("offpolicy", {}).get("offpolicy/clip_frac"),
-                "rho_abs_mean": run.get("offpolicy", {}).get("offpolicy/rho_abs_mean"),
+                **{
+                    key: next((means[k] for k in keys if k in means), None)
+                    for key, keys in STALE_MEANS.items()
+                },
             }
         )
     for by_lag in out.values():
@@ -640,13 +697,14 @@ def summarize_staleness(runs: list[dict]) -> dict:
                 values = [s["at"][step] for s in seeds if s["at"][step] is not None]
                 row["median_at"][step] = statistics.median(values) if values else None
             row["median_final"] = statistics.median(s["final"] for s in seeds)
+            row["median_mean_second_half"] = statistics.median(s["mean_second_half"] for s in seeds)
             steps_to = [s["steps_to"] for s in seeds]
             row["steps_to_reached"] = sum(s is not None for s in steps_to)
             row["median_steps_to"] = statistics.median(
                 s if s is not None else float("inf") for s in steps_to
             )
             row["collapses"] = sum(s["collapsed"] for s in seeds)
-            for key in ("clip_frac", "rho_abs_mean"):  # means over steps, median over seeds
+            for key in STALE_MEANS:  # means over steps, median over seeds
                 values = [s[key] for s in seeds if s[key] is not None]
                 row[f"median_{key}"] = statistics.median(values) if values else None
     return out
@@ -700,7 +758,8 @@ def plot_offpolicy(runs: list[dict], path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    tb_runs = [r for r in runs if r["loss"] != "grpo" and r["seed"] == min(x["seed"] for x in runs)]
+    first_seed = min(x["seed"] for x in runs)
+    tb_runs = [r for r in runs if stale_loss(r["loss"])["loss"] == "tb" and r["seed"] == first_seed]
     if not tb_runs:
         return None
     top = max(r["lag"] for r in tb_runs)
@@ -1390,23 +1449,34 @@ def print_time_to_accuracy(res: dict, section: str, plot_path: str | None) -> No
 
 def print_staleness(stale: dict) -> None:
     print(
-        f"\nstaleness (greedy accuracy, median over seeds; steps to {STALE_THRESHOLD}; "
-        f"collapses = runs falling > {COLLAPSE_DROP} below their best)"
+        f"\nstaleness (greedy accuracy, median over seeds; 2nd half: the mean of the evaluations "
+        f"of the run's second half; steps to {STALE_THRESHOLD}; collapses = runs falling > "
+        f"{COLLAPSE_DROP} below their best; clipped / masked: share of items (GRPO: tokens) a "
+        "step clipped or masked; rho = log pi - log pi_b of whole responses, 10/50/90%; means "
+        "over steps)"
     )
     header = "".join(f"{'@' + str(s):>7}" for s in STALE_REPORT_STEPS)
-    print(f"{'loss':<12}{'d':>4}{header}{'steps to':>10}{'collapses':>11}{'clipped':>9}")
+    print(
+        f"{'loss':<18}{'d':>4}{header}{'2nd half':>9}{'steps to':>10}{'collapses':>11}"
+        f"{'clipped':>9}{'masked':>8}{'rho 10/50/90':>21}"
+    )
+
+    def cell(value, width: int, spec: str) -> str:
+        return f"{value:>{width}{spec}}" if value is not None else f"{'-':>{width}}"
+
     for loss, by_lag in sorted(stale["summary"].items(), key=lambda item: stale_order(item[0])):
         for lag, row in sorted(by_lag.items(), key=lambda item: int(item[0])):
-            cells = ""
-            for step in map(str, STALE_REPORT_STEPS):
-                value = row["median_at"][step]
-                cells += f"{value:>7.3f}" if value is not None else f"{'-':>7}"
+            cells = "".join(cell(row["median_at"][str(s)], 7, ".3f") for s in STALE_REPORT_STEPS)
             seeds = len(row["seeds"])
             steps_to = f"{row['median_steps_to']:.0f} ({row['steps_to_reached']}/{seeds})"
-            clipped = row.get("median_clip_frac")
-            clipped = f"{clipped:>9.3f}" if clipped is not None else f"{'-':>9}"
             collapses = f"{row['collapses']:>9}/{seeds}"
-            print(f"{loss:<12}{lag:>4}{cells}{steps_to:>10}{collapses}{clipped}")
+            rho = [row.get(f"median_rho_q{q}") for q in (10, 50, 90)]
+            rho = "/".join(f"{r:.2f}" if r is not None else "-" for r in rho)
+            print(
+                f"{loss:<18}{lag:>4}{cells}{cell(row['median_mean_second_half'], 9, '.3f')}"
+                f"{steps_to:>10}{collapses}{cell(row.get('median_clip_frac'), 9, '.3f')}"
+                f"{cell(row.get('median_mask_frac'), 8, '.3f')}{rho:>21}"
+            )
     print(f"plots: {stale['plot']}, {stale['plot_offpolicy']}")
 
 
@@ -1455,7 +1525,9 @@ def main(argv: list[str] | None = None) -> None:
         "--losses",
         default="tb,tb_clip",
         help="staleness: comma list of tb (plain), tb_clip (the tiny presets' trust region), "
-        "tb_clip_EPS, grpo",
+        "tb_m2 (the second-moment mask), tb_m2_pushed (on the pushed items), tb_clip_m2 (both), "
+        "grpo, grpo_m2po (M2PO), grpo_m2po_pushed, grpo_decoupled (AReaL's decoupled PPO); "
+        "NAME_VALUE sets its number (tb_clip_0.1, tb_m2_0.04, grpo_decoupled_2: the cap)",
     )
     parser.add_argument("--stale_seeds", type=int, default=3, help="staleness: seeds per setting")
     parser.add_argument("--stale_first_seed", type=int, default=0, help="staleness: the first seed")

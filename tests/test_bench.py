@@ -16,26 +16,71 @@ from tba import ConfigError, run_cli
 
 
 def test_stale_loss_names():
-    """Each --losses name is the (--loss, --tb_clip_eps) pair its runs train with; tb_clip is
-    the tiny presets' eps."""
-    assert bench.stale_loss("tb") == ("tb", 0.0)
-    assert bench.stale_loss("grpo") == ("grpo", 0.0)
-    assert bench.stale_loss("tb_clip") == ("tb", bench.TB_CLIP_EPS) == ("tb", 0.3)
-    assert bench.stale_loss("tb_clip_0.1") == ("tb", 0.1)
+    """Each --losses name is the flags its runs train with; tb_clip is the tiny presets' eps,
+    NAME_VALUE sets the name's number."""
+
+    def flags(**given):
+        return {**bench.STALE_FLAGS, **given}
+
+    assert bench.stale_loss("tb") == flags()
+    assert bench.stale_loss("grpo") == flags(loss="grpo")
+    assert bench.stale_loss("tb_clip") == flags(tb_clip_eps=bench.TB_CLIP_EPS)
+    assert bench.TB_CLIP_EPS == 0.3
+    assert bench.stale_loss("tb_clip_0.1") == flags(tb_clip_eps=0.1)
+    assert bench.stale_loss("tb_m2_0.04") == flags(tb_m2_tau=0.04)
+    assert bench.stale_loss("tb_m2_pushed") == flags(tb_m2_tau=bench.TB_M2_TAU, m2_pushed_only=True)
+    assert bench.stale_loss("tb_clip_m2_0.2") == flags(tb_clip_eps=0.3, tb_m2_tau=0.2)
+    assert bench.stale_loss("grpo_m2po") == flags(loss="grpo", grpo_m2po_tau=0.04)
+    assert bench.stale_loss("grpo_decoupled_2") == flags(
+        loss="grpo", grpo_decoupled=True, grpo_is_cap=2.0
+    )
     for bad in ("nope", "tb_clip_", "tb_clip_x", "TB", "tb_clip_-1", "tb_clip_nan", "tb_0.3"):
         with pytest.raises(ConfigError, match="--losses"):
             bench.stale_loss(bad)
 
 
-def test_stale_order_is_plain_tb_then_clips_by_eps_then_grpo():
-    names = ["grpo", "tb_clip", "tb_clip_0.1", "tb", "tb_clip_1.0"]
+def test_stale_order_is_tb_then_its_corrections_by_value_then_grpo():
+    names = ["grpo_decoupled", "grpo", "tb_m2", "tb_clip", "tb_clip_0.1", "tb", "tb_clip_1.0"]
+    names += ["tb_clip_m2_0.2", "grpo_m2po"]
     assert sorted(names, key=bench.stale_order) == [
         "tb",
         "tb_clip_0.1",
         "tb_clip",
         "tb_clip_1.0",
+        "tb_m2",
+        "tb_clip_m2_0.2",
         "grpo",
+        "grpo_m2po",
+        "grpo_decoupled",
     ]
+
+
+def test_summarize_staleness_reports_the_second_half_and_the_corrections():
+    runs = [
+        {
+            "loss": "tb_m2",
+            "lag": 4,
+            "seed": seed,
+            "curve": [(0, 0.6), (100, 0.8), (200, 0.7 + seed / 10), (300, 0.9), (400, 0.8)],
+            "offpolicy": {
+                "offpolicy/clip_frac": 0.0,
+                "offpolicy/m2_mask_frac": 0.1 * seed,
+                "offpolicy/rho_q10": -0.2,
+                "offpolicy/rho_q50": 0.0,
+                "offpolicy/rho_q90": 0.1,
+            },
+        }
+        for seed in (0, 1, 2)
+    ]
+    row = bench.summarize_staleness(runs)["tb_m2"]["4"]
+    assert [s["mean_second_half"] for s in row["seeds"]] == pytest.approx(
+        [0.8, 0.8333, 0.8667], 1e-3
+    )
+    assert row["median_mean_second_half"] == pytest.approx((0.8 + 0.9 + 0.8) / 3)
+    assert row["median_mask_frac"] == pytest.approx(0.1)
+    assert row["median_clip_frac"] == 0.0
+    assert (row["median_rho_q10"], row["median_rho_q50"], row["median_rho_q90"]) == (-0.2, 0, 0.1)
+    assert row["median_steps_to"] == 300 and row["steps_to_reached"] == 3
 
 
 def test_an_unknown_loss_is_a_usage_error_before_any_run(tmp_path, capsys):
@@ -45,7 +90,7 @@ def test_an_unknown_loss_is_a_usage_error_before_any_run(tmp_path, capsys):
     argv += ["--warm_start", str(tmp_path / "never")]
     assert run_cli(bench.main, argv) == 2
     err = capsys.readouterr().err
-    assert "error: --losses: 'nope' is not tb, tb_clip, tb_clip_EPS (EPS > 0) or grpo" in err
+    assert "error: --losses: 'nope' is not one of tb, tb_clip, tb_m2" in err
     assert "Traceback" not in err
     assert not out.exists() and not (tmp_path / "never").exists()
 
