@@ -5,13 +5,16 @@ data 256 versions old."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
+import random
 
 import pytest
 import torch
 
 import grpo
 import offpolicy
+from buffer import Trajectory
 from offpolicy import (
     OffPolicyConfig,
     decoupled_ppo_loss,
@@ -19,9 +22,10 @@ from offpolicy import (
     second_moment_keep,
     tb_m2_dropped,
 )
-from tba import ConfigError, tb_clipped, tb_loss
+from tba import ConfigError, group_token_logprobs, tb_clipped, tb_loss
 from test_grpo import random_grpo_batch
 from test_tba import TabularPolicy
+from tiny import cpu_config
 from trainer import Parts
 
 
@@ -265,3 +269,109 @@ def test_install_and_config_errors():
     ):
         with pytest.raises(ConfigError):
             OffPolicyConfig(**bad)
+
+
+def stale_groups(model, gen_seed: int = 1) -> tuple:
+    """Four prompt groups of three responses (ragged; one group of equal rewards) whose behaviour
+    log-probs, per token and summed, sit N(0, 0.3) per token off the model's; and the model's
+    per-token log-probs (with gradient) and mask of them."""
+    rng = random.Random(0)
+    groups = [
+        [
+            Trajectory(
+                p,
+                [5, 6, 7 + p],
+                [rng.randrange(4, 60) for _ in range(rng.randint(1, 6))] + [1],
+                float(rng.random() < 0.5) if p else 1.0,
+                -rng.random() * 10,
+                0,
+            )
+            for _ in range(3)
+        ]
+        for p in range(4)
+    ]
+    logp, mask = group_token_logprobs(
+        model,
+        [g[0].prompt_tokens for g in groups],
+        [[t.response_tokens for t in g] for g in groups],
+        pad_id=0,
+        eos_id=1,
+        temperature=0.7,
+        include_eos=False,
+        share_prompt=False,
+    )
+    gen = torch.Generator().manual_seed(gen_seed)
+    old = (logp.detach() + torch.randn(logp.shape, generator=gen) * 0.3) * mask
+    ref = (logp.detach() + torch.randn(logp.shape, generator=gen) * 0.3) * mask
+    for i, t in enumerate(t for g in groups for t in g):
+        n = int(mask[i].sum())
+        t.token_logprobs = {"behaviour": old[i, :n].tolist(), "reference": ref[i, :n].tolist()}
+        t.behaviour_logprob = sum(t.token_logprobs["behaviour"])
+    return groups, logp, mask.bool()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(tb_m2_tau=0.2),
+        dict(tb_m2_tau=0.2, m2_pushed_only=True, tb_clip_eps=0.3),
+        dict(loss="grpo", grpo_m2po_tau=0.02),
+        dict(loss="grpo", grpo_m2po_tau=0.02, m2_pushed_only=True),
+        dict(loss="grpo", grpo_decoupled=True, grpo_is_cap=1.2),
+    ],
+)
+def test_trainers_masks_are_over_the_whole_batch_whatever_the_passes(tiny_model_dir, flags):
+    """The trainers' gradient in passes of 1, 2 or all 4 groups is the one of the pure function
+    on the whole batch (the mask is the whole batch's), and the masks drop something."""
+    flags = dict(flags)
+    loss = flags.pop("loss", "tb")
+    clip_eps = flags.pop("tb_clip_eps", 0.0)
+    cfg = OffPolicyConfig(**flags)
+    parts = offpolicy.install(grpo.install(Parts(), grpo.GRPOConfig(loss=loss)), cfg)
+    values = dict(num_generations=3, responses_per_prompt=3, prompts_per_step=4)
+    config = cpu_config(tiny_model_dir, tb_clip_eps=clip_eps, **values)
+    trainer = parts.trainer(config, torch.device("cpu"), pad_id=0, eos_id=1)
+    groups, logp, mask = stale_groups(trainer.model)
+    ref = grpo.padded(
+        [t.token_logprobs["reference"] for g in groups for t in g], logp.shape[1], "cpu"
+    )
+    old = grpo.padded(
+        [t.token_logprobs["behaviour"] for g in groups for t in g], logp.shape[1], "cpu"
+    )
+    reward = torch.tensor([[t.reward for t in g] for g in groups])
+    beta = 0.05
+    if loss == "tb":
+        seq = (logp * mask).sum(1).view(4, 3)
+        seq_ref = torch.tensor([[t.ref_logprob for t in g] for g in groups])
+        seq_old = torch.tensor(
+            [[t.behaviour_logprob for t in g] for g in groups], dtype=torch.float64
+        )
+        dropped = tb_m2_dropped(
+            seq, seq_ref, reward, beta, seq_old, cfg.tb_m2_tau, cfg.m2_pushed_only
+        )
+        assert 0 < dropped.sum() < dropped.numel()
+        want_loss = tb_loss(
+            torch.where(dropped, seq.detach(), seq), seq_ref, reward, beta, seq_old, clip_eps
+        )
+    else:
+        adv = grpo.grpo_advantages(reward).reshape(-1)
+        if cfg.grpo_decoupled:
+            want_loss = decoupled_ppo_loss(logp, logp.detach(), old, ref, mask, adv, 0.2, 0.04, 1.2)
+        else:
+            log_ratio = torch.where(mask, logp.detach() - old, 0.0)
+            pushed = adv.unsqueeze(1) * log_ratio > 0
+            cand = mask & pushed if cfg.m2_pushed_only else mask
+            keep = second_moment_keep(log_ratio, cfg.grpo_m2po_tau, cand)
+            assert (mask & ~keep).any()
+            want_loss = m2po_loss(logp, old, ref, mask, adv, keep, 0.04)
+    want_grads = torch.autograd.grad(want_loss, list(trainer.model.parameters()))
+    for size in (3, 7, 0):
+        trainer.cfg = dataclasses.replace(trainer.cfg, micro_batch_size=size)
+        trainer.model.zero_grad(set_to_none=True)
+        metrics = trainer.backward(groups, beta)
+        key = "loss/tb" if loss == "tb" else "loss/grpo"
+        assert metrics[key] == pytest.approx(want_loss.item(), rel=1e-4)
+        for want, p in zip(want_grads, trainer.model.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, want, rtol=1e-3, atol=1e-5)
+        masked = metrics.get("offpolicy/m2_mask_frac", metrics.get("offpolicy/is_cap_frac"))
+        assert 0 < masked < 1
