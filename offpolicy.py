@@ -385,7 +385,7 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         corrections' own: ``offpolicy/m2_mask_frac`` (share of tokens masked) and
         ``offpolicy/m2`` (their mean squared log-ratio before the mask), or
         ``offpolicy/is_weight_mean`` and ``offpolicy/is_cap_frac`` (share of tokens the cap
-        zeroed)."""
+        zeroed); ``grpo/kl`` and ``grpo/ratio_mean`` as GRPOTrainer's."""
         cfg, oc = self.grpo, self.offpolicy
         for t in (t for g in groups for t in g):
             if t.token_logprobs is None:
@@ -406,7 +406,9 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
                 with torch.no_grad():
                     scored = [self.score(chunk, group_token_logprobs) for chunk in passes]
             keeps = self.m2po_keeps(passes, scored)
-        sums = dict.fromkeys(("loss", "logp", "m2", "masked", "weight", "capped"), 0.0)
+        sums = dict.fromkeys(
+            ("loss", "logp", "m2", "masked", "weight", "capped", "kl", "ratio"), 0.0
+        )
         rhos = []
         for i, chunk in enumerate(passes):
             flat = [t for g in chunk for t in g]
@@ -434,10 +436,15 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             (loss * share).backward()
             sums["loss"] += loss.item() * share
             sums["logp"] += logp.detach().sum().item()
+            lp = torch.where(m, logp.detach().float(), 0.0)
+            sums["kl"] += torch.where(m, k3_kl(lp, ref), 0.0).sum().item()
+            sums["ratio"] += torch.where(m, torch.exp(lp - old), 0.0).sum().item()
             seq = torch.where(m, logp.detach().double() - old.double(), 0.0).sum(1)
             rhos.append(seq.view(len(chunk), -1))
         metrics = {
             "loss/grpo": sums["loss"],
+            "grpo/kl": sums["kl"] / max(total, 1),  # the mean k3 KL to p_ref per token
+            "grpo/ratio_mean": sums["ratio"] / max(total, 1),  # pi / pi_b per token
             "policy/logp_mean": sums["logp"] / items,
             **offpolicy_metrics(torch.cat(rhos), 0, items),
         }

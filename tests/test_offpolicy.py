@@ -373,5 +373,10 @@ def test_trainers_masks_are_over_the_whole_batch_whatever_the_passes(tiny_model_
         assert metrics[key] == pytest.approx(want_loss.item(), rel=1e-4)
         for want, p in zip(want_grads, trainer.model.parameters(), strict=True):
             torch.testing.assert_close(p.grad, want, rtol=1e-3, atol=1e-5)
+        if loss == "grpo":
+            adv = grpo.grpo_advantages(reward).reshape(-1)
+            base = grpo.grpo_metrics(logp.detach(), old, ref, mask, adv)
+            for key in ("kl", "ratio_mean"):
+                assert metrics[f"grpo/{key}"] == pytest.approx(base[key].item(), rel=1e-5)
         masked = metrics.get("offpolicy/m2_mask_frac", metrics.get("offpolicy/is_cap_frac"))
         assert 0 < masked < 1
