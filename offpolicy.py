@@ -79,6 +79,10 @@ class OffPolicyConfig:
             f"--grpo_is_cap must be 0 (no cap) or > 1, got {self.grpo_is_cap}",
         )
         need(
+            not self.m2_pushed_only or self.tb_m2_tau > 0 or self.grpo_m2po_tau > 0,
+            "--m2_pushed_only needs a second-moment mask: --tb_m2_tau or --grpo_m2po_tau",
+        )
+        need(
             not (self.grpo_decoupled and self.grpo_m2po_tau > 0),
             "--grpo_decoupled and --grpo_m2po_tau are two objectives: choose one",
         )

@@ -266,6 +266,7 @@ def test_install_and_config_errors():
         dict(grpo_m2po_tau=-0.1),
         dict(grpo_is_cap=0.5),
         dict(grpo_decoupled=True, grpo_m2po_tau=0.04),
+        dict(m2_pushed_only=True),
     ):
         with pytest.raises(ConfigError):
             OffPolicyConfig(**bad)
