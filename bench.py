@@ -76,10 +76,11 @@ import data_parallel
 import grpo
 import run_tldr
 from buffer import Trajectory
+from cli import run_cli
 from evaluate import Evaluator, to_examples
 from rewards import gsm8k_reward
 from searcher import HFEngine, Searcher, SearcherSetup, VLLMEngine
-from tba import ConfigError, TBAConfig, WeightStore, pad_token_id, run_cli
+from tba import ConfigError, TBAConfig, WeightStore, pad_token_id
 from tiny import (
     HARD_DATA,
     HARD_PRESET,

@@ -61,8 +61,9 @@ from pathlib import Path
 import torch
 
 from buffer import Trajectory
+from cli import run_cli
 from searcher import Batch, Searcher, SearcherSetup, WeightsNotLoaded
-from tba import RunError, TBAConfig, WeightStore, knob, need, run_cli
+from tba import RunError, TBAConfig, WeightStore, knob, need
 from trainer import Parts, SearcherFailed, prompt_shards, searcher_metrics
 
 REPO_DIR = Path(__file__).resolve().parent

@@ -88,18 +88,11 @@ from transformers import AutoTokenizer
 import launch
 import report
 from checks import run_summary
+from cli import run_cli
 from evaluate import EvalConfig
 from rewards import LazyModels
 from searcher import HFEngine
-from tba import (
-    ConfigError,
-    RunError,
-    TBAConfig,
-    knob,
-    load_causal_lm,
-    pad_token_id,
-    run_cli,
-)
+from tba import ConfigError, RunError, TBAConfig, knob, load_causal_lm, pad_token_id
 from tiny import TINY_CHECKS, build_char_tokenizer, supervised_warm_start
 from tiny import TINY_PRESET as GSM8K_TINY_PRESET
 
