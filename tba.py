@@ -84,6 +84,7 @@ Options beyond the paper, off in its preset, each one flag (docs/staleness.md):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import resource
@@ -560,10 +561,13 @@ class WeightStore:
 # ----------------------------------------------------------------------------- the config
 
 
-def knob(default, help: str):
+def knob(default, help: str, *, at_least: float | None = None, above: float | None = None):
     """A config field with its help text, which the command line shows (``cli.config_argparser``):
-    one source of truth per knob, for this module's config and every extension's."""
-    return field(default=default, metadata={"help": help})
+    one source of truth per knob, for this module's config and every extension's. ``at_least``
+    and ``above`` are its bounds, which ``TBAConfig.validate`` checks (value >= at_least, value
+    > above)."""
+    bounds = {"at_least": at_least, "above": above}
+    return field(default=default, metadata={"help": help, **bounds})
 
 
 class RunError(ValueError):
@@ -596,21 +600,21 @@ class TBAConfig:
     )
     ref_model: str = knob("", "frozen reference p_ref; empty: the same as --model")
     # 1b. generation: N responses to each prompt at temperature T
-    num_generations: int = knob(24, "N: responses generated per prompt")
-    temperature: float = knob(0.7, "sampling temperature T of the searchers")
-    max_new_tokens: int = knob(512, "longest response, in tokens")
+    num_generations: int = knob(24, "N: responses generated per prompt", at_least=1)
+    temperature: float = knob(0.7, "sampling temperature T of the searchers", above=0)
+    max_new_tokens: int = knob(512, "longest response, in tokens", at_least=1)
     searcher_batch_prompts: int = knob(
-        3, "prompts per generate call of a searcher (released run: 3)"
+        3, "prompts per generate call of a searcher (released run: 3)", at_least=1
     )
     # 2-3. a step trains on P prompts x K responses each (the paper: 7 x 20 = 140 trajectories),
     # most-on-policy with probability m; the trainer waits only as max_lag and the bounds say
-    prompts_per_step: int = knob(7, "P: prompts per trainer step")
+    prompts_per_step: int = knob(7, "P: prompts per trainer step", at_least=1)
     responses_per_prompt: int = knob(
         20, "K: responses of each prompt in a trainer step (from the buffer)"
     )
     mop_prob: float = knob(0.95, "m: probability that a step's prompt is most-on-policy")
     inv_temp: float = knob(
-        0.0, "other prompts' items are drawn by softmax(reward * inv_temp); 0: uniform"
+        0.0, "other prompts' items are drawn by softmax(reward * inv_temp); 0: uniform", at_least=0
     )
     max_lag: int = knob(
         3,
@@ -628,15 +632,16 @@ class TBAConfig:
         "trajectories trained per trajectory generated, at most: the trainer waits rather than "
         "train more than this many times the searchers' output (1: each once on average, as "
         "on-policy; 2: twice); 0: no bound, as in the released run",
+        at_least=0,
     )
     buffer_capacity: int = knob(
-        100, "trajectories kept per prompt (oldest evicted, dedup by tokens)"
+        100, "trajectories kept per prompt (oldest evicted, dedup by tokens)", at_least=1
     )
-    initial_samples: int = knob(500, "trajectories in the buffer before the first step")
+    initial_samples: int = knob(500, "trajectories in the buffer before the first step", at_least=0)
     # 4. the TB loss: beta and its anneal, the scoring rule, the trust region
-    beta_start: float = knob(0.014, "KL strength beta at step 0")
-    beta_end: float = knob(0.004, "KL strength beta after the anneal")
-    beta_anneal_steps: int = knob(500, "steps of the linear beta anneal")
+    beta_start: float = knob(0.014, "KL strength beta at step 0", above=0)
+    beta_end: float = knob(0.004, "KL strength beta after the anneal", above=0)
+    beta_anneal_steps: int = knob(500, "steps of the linear beta anneal", at_least=0)
     tempered_logprobs: bool = knob(
         True, "log pi and log p_ref of logits / T; off: of the models (Eq. 5)"
     )
@@ -646,30 +651,35 @@ class TBAConfig:
         "TB trust region (tb_loss): no gradient from an item the policy has moved more than "
         "this many nats beyond its behaviour log-prob in the direction its residual pushes; "
         "the optimum does not move. 0: off, as in the paper (tiny presets: 0.3)",
+        at_least=0,
     )
     # 4. AdamW and its warmup-stable-decay schedule
-    lr: float = knob(1e-5, "peak learning rate of AdamW")
-    warmup_steps: int = knob(50, "linear warmup steps of the warmup-stable-decay schedule")
-    stable_steps: int = knob(350, "constant-lr steps after warmup")
-    decay_steps: int = knob(
-        600, "cosine decay-to-0 steps (released run: cut at step 700, at half the peak)"
+    lr: float = knob(1e-5, "peak learning rate of AdamW", above=0)
+    warmup_steps: int = knob(
+        50, "linear warmup steps of the warmup-stable-decay schedule", at_least=0
     )
-    total_steps: int = knob(700, "trainer steps (released run: 98,000 episodes / 140 per step)")
-    weight_decay: float = knob(0.0, "AdamW weight decay")
+    stable_steps: int = knob(350, "constant-lr steps after warmup", at_least=0)
+    decay_steps: int = knob(
+        600, "cosine decay-to-0 steps (released run: cut at step 700, at half the peak)", at_least=0
+    )
+    total_steps: int = knob(
+        700, "trainer steps (released run: 98,000 episodes / 140 per step)", at_least=1
+    )
+    weight_decay: float = knob(0.0, "AdamW weight decay", at_least=0)
     max_grad_norm: float = knob(
-        0.0, "clip the gradient norm to this; 0: no clipping (released run)"
+        0.0, "clip the gradient norm to this; 0: no clipping (released run)", at_least=0
     )
     fp32_master_weights: bool = knob(
         False, "fp32 weights and AdamW moments, autocast compute; off: `dtype`"
     )
     dtype: str = knob("bfloat16", "weights dtype of policy and reference: bfloat16|float16|float32")
     # 5. publish every k steps; or the on-policy baseline
-    sync_every: int = knob(2, "k: publish the trainer's weights every k steps")
+    sync_every: int = knob(2, "k: publish the trainer's weights every k steps", at_least=1)
     synchronous: bool = knob(
         False, "on-policy baseline: generate with the newest weights only, train on them (lag 0)"
     )
     # ---- plumbing: processes, devices, engines, memory, restarts, timeouts (a learner may skip)
-    num_searchers: int = knob(3, "searcher processes S (paper: 3, one per GPU)")
+    num_searchers: int = knob(3, "searcher processes S (paper: 3, one per GPU)", at_least=1)
     searcher_devices: str = knob(
         "cuda:1,cuda:2,cuda:3", "one device per searcher (comma list), or one for all"
     )
@@ -682,6 +692,7 @@ class TBAConfig:
         0.0,
         "KV cache of each vLLM searcher in GB, fixed instead of sized from the memory free at its "
         "start-up; vLLM still needs vllm_gpu_memory_utilization of the GPU free (0: sized)",
+        at_least=0,
     )
     vllm_compile: bool = knob(
         True,
@@ -699,13 +710,18 @@ class TBAConfig:
         20,
         "sequences per forward pass, in whole prompt groups (at least one; "
         "the gradient does not depend on it); 0: all in one pass",
+        at_least=0,
     )
-    queue_size: int = knob(8, "bound of the trajectory queue, in messages (one per generate call)")
+    queue_size: int = knob(
+        8, "bound of the trajectory queue, in messages (one per generate call)", at_least=1
+    )
     max_searcher_restarts: int = knob(
-        3, "restarts allowed per run, all searchers together; one more failure stops it"
+        3, "restarts allowed per run, all searchers together; one more failure stops it", at_least=0
     )
-    torch_threads: int = knob(0, "torch CPU threads per process; 0: cores / processes")
-    timeout_s: float = knob(600.0, "longest wait for any process or queue before failing loudly")
+    torch_threads: int = knob(0, "torch CPU threads per process; 0: cores / processes", at_least=0)
+    timeout_s: float = knob(
+        600.0, "longest wait for any process or queue before failing loudly", above=0
+    )
     # ---- the run: seed, outputs, checkpoints
     seed: int = knob(0, "seed of trainer, buffer and searchers (searcher s uses seed + 1 + s)")
     output_dir: str = knob("runs/gsm8k", "metrics.jsonl, results.json, checkpoints")
@@ -713,7 +729,9 @@ class TBAConfig:
         False, "continue from output_dir/checkpoint.pt (weights, optimizer, step, RNG, buffer)"
     )
     checkpoint_every: int = knob(
-        175, "resumable checkpoint every this many steps (0: every k); released: 4 a run"
+        175,
+        "resumable checkpoint every this many steps (0: every k); released: 4 a run",
+        at_least=0,
     )
 
     def __post_init__(self) -> None:
@@ -721,41 +739,11 @@ class TBAConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the field when a value or a combination cannot work."""
-        at_least_one = (
-            "num_generations",
-            "prompts_per_step",
-            "searcher_batch_prompts",
-            "max_new_tokens",
-            "total_steps",
-            "sync_every",
-            "buffer_capacity",
-            "queue_size",
-        )
-        non_negative = (
-            "warmup_steps",
-            "stable_steps",
-            "decay_steps",
-            "beta_anneal_steps",
-            "initial_samples",
-            "weight_decay",
-            "max_searcher_restarts",
-            "torch_threads",
-            "checkpoint_every",
-            "micro_batch_size",
-            "max_grad_norm",
-            "tb_clip_eps",
-            "inv_temp",
-            "replay_ratio",
-            "vllm_kv_cache_gb",
-        )
-        positive = ("beta_start", "beta_end", "lr", "temperature", "timeout_s")
-        for name in at_least_one:
-            need(getattr(self, name) >= 1, f"--{name} must be >= 1, got {getattr(self, name)}")
-        for name in non_negative:
-            need(getattr(self, name) >= 0, f"--{name} must be >= 0, got {getattr(self, name)}")
-        for name in positive:
-            need(getattr(self, name) > 0, f"--{name} must be > 0, got {getattr(self, name)}")
-        need(self.num_searchers >= 1, f"--num_searchers must be >= 1, got {self.num_searchers}")
+        for f in dataclasses.fields(self):  # the bounds each knob declares
+            value, low = getattr(self, f.name), f.metadata.get("at_least")
+            need(low is None or value >= low, f"--{f.name} must be >= {low}, got {value}")
+            above = f.metadata.get("above")
+            need(above is None or value > above, f"--{f.name} must be > {above}, got {value}")
         need(
             2 <= self.responses_per_prompt <= self.buffer_capacity,
             "--responses_per_prompt (K) must be >= 2 "
