@@ -77,7 +77,7 @@ import grpo
 import run_tldr
 from buffer import Trajectory
 from cli import run_cli
-from evaluate import Evaluator, to_examples
+from evaluate import EvalHFEngine, Evaluator, to_examples
 from rewards import gsm8k_reward
 from searcher import HFEngine, Searcher, SearcherSetup, VLLMEngine
 from tba import ConfigError, TBAConfig, WeightStore, pad_token_id
@@ -833,7 +833,7 @@ def bench_engines(root: str, quick: bool) -> dict | str:
 def _load_child(store: WeightStore, model_kwargs: dict, device: str, cmd_q, res_q) -> None:
     """A searcher stand-in in its own process: load the store into a transformers model."""
     torch.set_num_threads(1)
-    engine = HFEngine(
+    engine = EvalHFEngine(
         TBAConfig(searcher_devices=device, num_searchers=1),
         torch.device(device),
         eos_id=0,

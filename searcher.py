@@ -435,25 +435,13 @@ def wants_vllm(cfg: TBAConfig, device: torch.device) -> bool:
 
 
 class HFEngine:
-    """A transformers model on CPU or CUDA, sampled by a plain KV-cache decode loop: ``cfg.model``
-    loaded, or ``model`` wrapped (the trainer's, for evaluation)."""
+    """``cfg.model`` loaded with transformers on CPU or CUDA, sampled by a plain KV-cache decode
+    loop. (Around a model already in memory, the trainer's: evaluate.EvalHFEngine.)"""
 
-    def __init__(
-        self,
-        cfg: TBAConfig,
-        device: torch.device,
-        eos_id: int,
-        pad_id: int,
-        model: torch.nn.Module | None = None,
-    ):
+    def __init__(self, cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int):
         self.cfg, self.device, self.eos_id, self.pad_id = cfg, device, eos_id, pad_id
-        self.model = (
-            model
-            if model is not None
-            else load_causal_lm(cfg.model, cfg.torch_dtype(), device, cfg.trust_remote_code)
-            .eval()
-            .requires_grad_(False)
-        )
+        model = load_causal_lm(cfg.model, cfg.torch_dtype(), device, cfg.trust_remote_code)
+        self.model = model.eval().requires_grad_(False)
         self.params = dict(self.model.named_parameters())
 
     def generate(self, prompts, n):
