@@ -79,7 +79,7 @@ from buffer import Trajectory
 from cli import run_cli
 from evaluate import EvalHFEngine, Evaluator, to_examples
 from rewards import gsm8k_reward
-from searcher import HFEngine, Searcher, SearcherSetup, VLLMEngine
+from searcher import HFEngine, SearcherSetup, VLLMEngine
 from tba import ConfigError, TBAConfig, WeightStore, pad_token_id
 from tiny import (
     HARD_DATA,
@@ -540,9 +540,8 @@ def staleness_run(
             store=None,
             out_queue=None,
             stop_event=None,
-            token_logprobs=parts.token_logprobs,
         )
-        searcher = Searcher(setup)
+        searcher = parts.searcher(setup)
         if task == "tldr":
             sft = AutoModelForCausalLM.from_pretrained(model_dir).eval()
             evaluator = run_tldr.SummaryEvaluator(
@@ -1194,7 +1193,7 @@ class _BatchActor:
     def __init__(self):
         self.batch = _fake_batch()
 
-    def step(self):
+    def next_batch(self):
         return "incarnation", self.batch
 
 
@@ -1293,13 +1292,13 @@ def bench_ray(reps: int, model_kwargs: dict, batches: int) -> dict:
         dist.destroy_process_group()
         ray.kill(loader)  # its slot on the worker node is the batch actor's
         actor = ray.remote(_BatchActor).options(num_cpus=0, resources={"searcher": 1}).remote()
-        ray.get(actor.step.remote())
-        pending = [actor.step.remote() for _ in range(2)]
+        ray.get(actor.next_batch.remote())
+        pending = [actor.next_batch.remote() for _ in range(2)]
         t0 = time.perf_counter()
         for _ in range(batches):
             done, pending = ray.wait(pending, num_returns=1)
             ray.get(done[0])
-            pending.append(actor.step.remote())
+            pending.append(actor.next_batch.remote())
         ray_rate = batches * RAY_BATCH[0] / (time.perf_counter() - t0)
     finally:
         ray.shutdown()

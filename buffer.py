@@ -390,8 +390,10 @@ class ReplayBuffer:
 
     @_locked
     def stats(self, current_version: int | None = None) -> dict[str, float]:
-        """Sizes, and with ``current_version`` the mean lag of stored items (from per-version
-        counts: a step should not cost a pass over every stored trajectory)."""
+        """Sizes, and with ``current_version`` the mean age of stored items, ``buffer/age_mean``:
+        versions from an item's to ``current_version`` (the trainer's newest weights; a step's
+        ``async/lag_*`` count from the weights it started from, one fewer), from per-version
+        counts: a step should not cost a pass over every stored trajectory."""
         total = len(self)
         out = {
             "buffer/prompts": float(len(self.groups)),
@@ -406,7 +408,7 @@ class ReplayBuffer:
             "buffer/reuse": self.num_drawn / self.num_drawn_first if self.num_drawn_first else 0.0,
         }
         if current_version is not None and total:
-            out["buffer/lag_mean"] = (
+            out["buffer/age_mean"] = (
                 sum((current_version - v) * n for v, n in self._per_version.items()) / total
             )
         return out

@@ -185,8 +185,8 @@ class CheckedSearcher(Searcher):
             self.checksum = engine_checksum(self.engine)
         return seconds
 
-    def step(self) -> Batch | None:
-        batch = super().step()
+    def next_batch(self) -> Batch | None:
+        batch = super().next_batch()
         if batch is not None and self.checksum is not None:
             batch.stats.gauges["checksum"] = self.checksum
         return batch
@@ -198,8 +198,16 @@ def install(parts: Parts, parity: ParityProbe) -> Parts:
     trainer = type(
         f"Checked{parts.trainer.__name__}", (CheckedTrainer, parts.trainer), {"parity": parity}
     )
-    searcher = functools.partial(CheckedSearcher, parity=parity)
+    searcher = functools.partial(checked_searcher, parts.searcher, parity=parity)
     return dataclasses.replace(parts, trainer=trainer, searcher=searcher)
+
+
+def checked_searcher(base: type[Searcher], setup: SearcherSetup, parity: ParityProbe) -> Searcher:
+    """A CheckedSearcher over ``base``, the searcher class the run had (Searcher, or an
+    extension's: grpo.GRPOSearcher), built in the searcher's process: a class made by
+    ``install`` would not pickle."""
+    checked = type(f"Checked{base.__name__}", (CheckedSearcher, base), {})
+    return checked(setup, parity)
 
 
 # ----------------------------------------------------------------------------- the run summary
