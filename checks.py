@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from searcher import Batch, HFEngine, Searcher, SearcherSetup, VLLMEngine, WeightsNotLoaded
-from tba import WeightStore, knob, need, pad_sequences, token_logprobs
+from tba import WeightStore, knob, need, pad_sequences, target_logprobs
 from trainer import Parts, Trainer
 
 
@@ -108,7 +108,7 @@ def sequence_logprobs(
     the searchers score by (``tba.group_token_logprobs``); the tiny warm start and the TL;DR
     perplexity use it too."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-    token_logp = token_logprobs(logits, input_ids[:, 1:], temperature)
+    token_logp = target_logprobs(logits, input_ids[:, 1:], temperature)
     return (token_logp * response_mask[:, 1:].to(token_logp.dtype)).sum(dim=1)
 
 

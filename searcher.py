@@ -47,7 +47,7 @@ from tba import (
     positions,
     prefill,
     scored_tokens,
-    token_logprobs,
+    target_logprobs,
 )
 
 logger = logging.getLogger(__name__)
@@ -455,7 +455,7 @@ class HFEngine:
         return self._decode(prompts, n, self.sample, with_logprobs=False)[0]
 
     def generate_with_logprobs(self, prompts, n):
-        """``generate``'s samples, each token scored by ``tba.token_logprobs``, the trainer's
+        """``generate``'s samples, each token scored by ``tba.target_logprobs``, the trainer's
         formula, on the logits it was drawn from."""
         return self._decode(prompts, n, self.sample, with_logprobs=True)
 
@@ -474,7 +474,7 @@ class HFEngine:
         for _ in range(self.cfg.max_new_tokens):
             token = pick(logits)  # the next token of every row
             if with_logprobs:
-                scored = token_logprobs(
+                scored = target_logprobs(
                     logits[:, None], token[:, None], self.cfg.logprob_temperature()
                 )
                 logp_columns.append(scored[:, 0])

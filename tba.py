@@ -59,8 +59,9 @@ Deviations from the official code, with reasons
     trickles in, so they are topped up with the most recently refreshed: async/mop_frac is m.
   * Weights travel as shared tensors (CUDA IPC or shared memory) with a version counter, not as
     MPI broadcasts: a sync is a device copy.
-  * Log-softmax runs in fp32 (``token_logprobs`` says why); the official code runs it in bf16.
-  * A prompt runs once, its KV cache shared by its K responses (``group_logprobs``): exact.
+  * Log-softmax runs in fp32 (``target_logprobs`` says why); the official code runs it in bf16.
+  * A prompt runs once, its KV cache shared by its K responses (``prefill``; the trainer's log pi
+    and the searchers' log p_ref alike, ``group_token_logprobs``): exact.
   * Searchers shuffle their prompt shard each pass (seeded); the official ones walk it in order.
   * Searchers start, and size their engines' memory, before the trainer loads its model, and
     generate nothing before the first publish: on one shared GPU vLLM sizes its KV cache from
@@ -307,7 +308,7 @@ def prefill(
     return last.repeat_interleave(repeat, 0), cache, attn.repeat_interleave(repeat, 0)
 
 
-def token_logprobs(
+def target_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
     """log softmax(logits_t / T)[target_t] (B, L) in fp32, for logits (B, L, V) aligned with
@@ -418,7 +419,7 @@ def scored_rows(
         rows = [p for p in prompts for _ in range(size)]
         ids, attn, _ = pad_sequences(rows, flat, pad_id, device)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        every = token_logprobs(logits, ids[:, 1:], temperature)  # column c predicts token c + 1
+        every = target_logprobs(logits, ids[:, 1:], temperature)  # column c predicts token c + 1
         starts = torch.tensor([len(p) - 1 for p in rows], device=every.device)
         columns = starts[:, None] + torch.arange(mask.shape[1], device=every.device)
         token_logp = every.gather(1, columns.clamp(max=every.shape[1] - 1))
@@ -432,7 +433,7 @@ def scored_rows(
         use_cache=True,
     ).logits[:, :-1]
     logits = torch.cat([first[:, None], logits], dim=1)
-    token_logp = token_logprobs(logits, targets, temperature)
+    token_logp = target_logprobs(logits, targets, temperature)
     return token_logp * mask.to(token_logp.dtype), mask
 
 
