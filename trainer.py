@@ -296,7 +296,7 @@ class Trainer:
         """5. Copy the weights into the store as version ``step``; returns the seconds taken."""
         t0 = time.perf_counter()
         store.publish(self.weights_to_publish(), self.step, self.probe())
-        self.buffer.mark_sync()  # most-on-policy now means refreshed after this publish
+        self.buffer.mark_published()  # most-on-policy now means refreshed after this publish
         return time.perf_counter() - t0
 
     def weights_to_publish(self) -> list[tuple[str, torch.Tensor]]:
