@@ -267,6 +267,16 @@ class Searcher:
                 )
         return trajectories, (t1 - t0, t2 - t1, t3 - t2)
 
+    def next_prompts(self) -> list[int]:
+        """1b. Indices into this searcher's shard; reshuffled (seeded) every pass."""
+        picked = []
+        while len(picked) < self.cfg.searcher_batch_prompts:
+            if not self.order:
+                self.order = list(range(len(self.examples)))
+                self.rng.shuffle(self.order)
+            picked.append(self.order.pop())
+        return picked
+
     def responses(
         self, prompts: list[list[int]]
     ) -> tuple[list[list[list[int]]], list[list[list[float]]]]:
@@ -279,16 +289,6 @@ class Searcher:
             for ys, lps in zip(outputs, logps, strict=True)
         ]
         return outputs, behaviour
-
-    def next_prompts(self) -> list[int]:
-        """1b. Indices into this searcher's shard; reshuffled (seeded) every pass."""
-        picked = []
-        while len(picked) < self.cfg.searcher_batch_prompts:
-            if not self.order:
-                self.order = list(range(len(self.examples)))
-                self.rng.shuffle(self.order)
-            picked.append(self.order.pop())
-        return picked
 
     def rewards(self, picked: list[int], outputs: list[list[list[int]]]) -> list[list[float]]:
         """1c. r(x, y) of every response: by the reward's ``batch`` method in one call when it
