@@ -77,10 +77,11 @@ import grpo
 import offpolicy
 import run_tldr
 from buffer import Trajectory
-from evaluate import Evaluator, to_examples
+from cli import run_cli
+from evaluate import EvalHFEngine, Evaluator, to_examples
 from rewards import gsm8k_reward
-from searcher import HFEngine, Searcher, SearcherSetup, VLLMEngine
-from tba import ConfigError, TBAConfig, WeightStore, pad_token_id, run_cli
+from searcher import HFEngine, SearcherSetup, VLLMEngine
+from tba import ConfigError, TBAConfig, WeightStore, pad_token_id
 from tiny import (
     HARD_DATA,
     HARD_PRESET,
@@ -578,9 +579,8 @@ def staleness_run(
             store=None,
             out_queue=None,
             stop_event=None,
-            token_logprobs=parts.token_logprobs,
         )
-        searcher = Searcher(setup)
+        searcher = parts.searcher(setup)
         if task == "tldr":
             sft = AutoModelForCausalLM.from_pretrained(model_dir).eval()
             evaluator = run_tldr.SummaryEvaluator(
@@ -891,7 +891,7 @@ def bench_engines(root: str, quick: bool) -> dict | str:
 def _load_child(store: WeightStore, model_kwargs: dict, device: str, cmd_q, res_q) -> None:
     """A searcher stand-in in its own process: load the store into a transformers model."""
     torch.set_num_threads(1)
-    engine = HFEngine(
+    engine = EvalHFEngine(
         TBAConfig(searcher_devices=device, num_searchers=1),
         torch.device(device),
         eos_id=0,
@@ -1252,7 +1252,7 @@ class _BatchActor:
     def __init__(self):
         self.batch = _fake_batch()
 
-    def step(self):
+    def next_batch(self):
         return "incarnation", self.batch
 
 
@@ -1351,13 +1351,13 @@ def bench_ray(reps: int, model_kwargs: dict, batches: int) -> dict:
         dist.destroy_process_group()
         ray.kill(loader)  # its slot on the worker node is the batch actor's
         actor = ray.remote(_BatchActor).options(num_cpus=0, resources={"searcher": 1}).remote()
-        ray.get(actor.step.remote())
-        pending = [actor.step.remote() for _ in range(2)]
+        ray.get(actor.next_batch.remote())
+        pending = [actor.next_batch.remote() for _ in range(2)]
         t0 = time.perf_counter()
         for _ in range(batches):
             done, pending = ray.wait(pending, num_returns=1)
             ray.get(done[0])
-            pending.append(actor.step.remote())
+            pending.append(actor.next_batch.remote())
         ray_rate = batches * RAY_BATCH[0] / (time.perf_counter() - t0)
     finally:
         ray.shutdown()

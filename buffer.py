@@ -20,12 +20,12 @@ This file imports nothing from the project (standard library only), so it can be
   ``mop_prob`` (m) the prompt is "most on-policy" (MOP) and its K items are its newest ones
   (those of its newest policy version). Otherwise the prompt is any prompt, and the K items are
   drawn by softmax(reward * inv_temp) (0 = uniform).
-* MOP prompts are those refreshed (given new items) since the latest weight sync, which the
-  trainer announces with ``mark_sync()``; when fewer than P prompts were refreshed, the P most
-  recently refreshed ones. Contract: call ``mark_sync()`` every time new weights are
-  published. Without it "refreshed since the sync" means "ever refreshed", so MOP draws become
+* MOP prompts are those refreshed (given new items) since the latest weight publish, which the
+  trainer announces with ``mark_published()``; when fewer than P prompts were refreshed, the P
+  most recently refreshed ones. Contract: call ``mark_published()`` every time new weights are
+  published. Without it "refreshed since the publish" means "ever refreshed", so MOP draws become
   uniform over every prompt and m loses its meaning (``stats()`` reports ``buffer/fresh`` to
-  make this visible). The official code's barrier delivers a sync interval's data at once;
+  make this visible). The official code's barrier delivers a publish interval's data at once;
   without a barrier data trickles in, and the fallback keeps every MOP draw possible, so the
   realised MOP fraction is m.
 * Prompts are drawn without replacement, cycling through each pool before repeating (as the
@@ -209,11 +209,11 @@ class ReplayBuffer:
         self.num_drawn_first = 0  # items handed out for the first time
         self.newest_version = -1  # the newest policy version among the items (never decreases)
         self._per_version: Counter[int] = Counter()  # items held per policy version
-        self._fresh: set[Hashable] = set()  # prompts refreshed since the latest mark_sync()
+        self._fresh: set[Hashable] = set()  # prompts refreshed since the latest mark_published()
         self._mop_drawn: set[Hashable] = set()  # drawn as MOP in this cycle of the fresh set
         self._any_drawn: set[Hashable] = set()  # drawn off-policy in this cycle of all prompts
-        self._mop_since_sync: set[Hashable] = set()  # drawn as MOP since the latest sync
-        self.fresh_untrained = 0  # refreshed prompts no step drew as MOP before the last sync
+        self._mop_since_publish: set[Hashable] = set()  # drawn as MOP since the latest publish
+        self.fresh_untrained = 0  # refreshed prompts no step drew as MOP before the last publish
 
     # ------------------------------------------------------------------ adding
 
@@ -269,20 +269,20 @@ class ReplayBuffer:
         return sum(self._per_version.values())
 
     @_locked
-    def mark_sync(self) -> None:
+    def mark_published(self) -> None:
         """The trainer has published new weights: the MOP set starts afresh. Prompts refreshed
-        since the previous sync that no step drew as MOP are counted (``buffer/fresh_untrained``
+        since the previous publish that no step drew as MOP are counted (``buffer/fresh_untrained``
         in ``stats()``): data arriving faster than the trainer uses it."""
-        self.fresh_untrained = len(self._fresh - self._mop_since_sync)
+        self.fresh_untrained = len(self._fresh - self._mop_since_publish)
         self._fresh.clear()
         self._mop_drawn.clear()
-        self._mop_since_sync.clear()
+        self._mop_since_publish.clear()
 
     @_locked
     def mop_prompts(
         self, at_least: int, min_version: int | None = None, eligible: list | None = None
     ) -> list[Hashable]:
-        """Prompts refreshed since the latest sync, or the ``at_least`` most recently refreshed
+        """Prompts refreshed since the latest publish, or the ``at_least`` most recently refreshed
         ones when fewer were; with ``min_version``, only prompts holding items that new
         (``eligible``, in refresh order, when the caller has listed them already)."""
         if eligible is None:
@@ -362,7 +362,7 @@ class ReplayBuffer:
         for _ in range(num_prompts):
             if self.rng.random() < self.mop_prob:  # MOP: the newest items of a fresh prompt
                 pid = self._draw_prompt(mop, self._mop_drawn, chosen)
-                self._mop_since_sync.add(pid)
+                self._mop_since_publish.add(pid)
                 group = self.groups[pid]
                 newest = [t for t in group if t.version == group[-1].version]
                 batch.append(self._unpacked(self._draw_items(newest, per_prompt, 0.0)))
@@ -390,8 +390,10 @@ class ReplayBuffer:
 
     @_locked
     def stats(self, current_version: int | None = None) -> dict[str, float]:
-        """Sizes, and with ``current_version`` the mean lag of stored items (from per-version
-        counts: a step should not cost a pass over every stored trajectory)."""
+        """Sizes, and with ``current_version`` the mean age of stored items, ``buffer/age_mean``:
+        versions from an item's to ``current_version`` (the trainer's newest weights; a step's
+        ``async/lag_*`` count from the weights it started from, one fewer), from per-version
+        counts: a step should not cost a pass over every stored trajectory."""
         total = len(self)
         out = {
             "buffer/prompts": float(len(self.groups)),
@@ -406,7 +408,7 @@ class ReplayBuffer:
             "buffer/reuse": self.num_drawn / self.num_drawn_first if self.num_drawn_first else 0.0,
         }
         if current_version is not None and total:
-            out["buffer/lag_mean"] = (
+            out["buffer/age_mean"] = (
                 sum((current_version - v) * n for v, n in self._per_version.items()) / total
             )
         return out
@@ -431,7 +433,8 @@ class ReplayBuffer:
             "groups": [[pid, _columns(g)] for pid, g in self.groups.items()],
             "fresh": [pid for pid in self.groups if pid in self._fresh],
             "mop_drawn": [pid for pid in self.groups if pid in self._mop_drawn],
-            "mop_since_sync": [pid for pid in self.groups if pid in self._mop_since_sync],
+            # the key keeps its first name, so that earlier checkpoints still load
+            "mop_since_sync": [pid for pid in self.groups if pid in self._mop_since_publish],
             "any_drawn": [pid for pid in self.groups if pid in self._any_drawn],
         }
 
@@ -460,7 +463,7 @@ class ReplayBuffer:
         self._per_version = Counter(t.version for g in self.groups.values() for t in g)
         self._fresh = {_key(p) for p in state["fresh"]}
         self._mop_drawn = {_key(p) for p in state["mop_drawn"]}
-        self._mop_since_sync = {_key(p) for p in state["mop_since_sync"]}
+        self._mop_since_publish = {_key(p) for p in state["mop_since_sync"]}
         self._any_drawn = {_key(p) for p in state["any_drawn"]}
 
 

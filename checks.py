@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from searcher import Batch, HFEngine, Searcher, SearcherSetup, VLLMEngine, WeightsNotLoaded
-from tba import WeightStore, knob, need, pad_sequences, token_logprobs
+from tba import WeightStore, knob, need, pad_sequences, target_logprobs
 from trainer import Parts, Trainer
 
 
@@ -108,7 +108,7 @@ def sequence_logprobs(
     the searchers score by (``tba.group_token_logprobs``); the tiny warm start and the TL;DR
     perplexity use it too."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-    token_logp = token_logprobs(logits, input_ids[:, 1:], temperature)
+    token_logp = target_logprobs(logits, input_ids[:, 1:], temperature)
     return (token_logp * response_mask[:, 1:].to(token_logp.dtype)).sum(dim=1)
 
 
@@ -185,8 +185,8 @@ class CheckedSearcher(Searcher):
             self.checksum = engine_checksum(self.engine)
         return seconds
 
-    def step(self) -> Batch | None:
-        batch = super().step()
+    def next_batch(self) -> Batch | None:
+        batch = super().next_batch()
         if batch is not None and self.checksum is not None:
             batch.stats.gauges["checksum"] = self.checksum
         return batch
@@ -198,8 +198,16 @@ def install(parts: Parts, parity: ParityProbe) -> Parts:
     trainer = type(
         f"Checked{parts.trainer.__name__}", (CheckedTrainer, parts.trainer), {"parity": parity}
     )
-    searcher = functools.partial(CheckedSearcher, parity=parity)
+    searcher = functools.partial(checked_searcher, parts.searcher, parity=parity)
     return dataclasses.replace(parts, trainer=trainer, searcher=searcher)
+
+
+def checked_searcher(base: type[Searcher], setup: SearcherSetup, parity: ParityProbe) -> Searcher:
+    """A CheckedSearcher over ``base``, the searcher class the run had (Searcher, or an
+    extension's: grpo.GRPOSearcher), built in the searcher's process: a class made by
+    ``install`` would not pickle."""
+    checked = type(f"Checked{base.__name__}", (CheckedSearcher, base), {})
+    return checked(setup, parity)
 
 
 # ----------------------------------------------------------------------------- the run summary

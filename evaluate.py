@@ -87,6 +87,13 @@ class EvalHFEngine(HFEngine):
     """The transformers engine as an evaluation decodes: around a model in memory (the
     trainer's: no copy, nothing to load), sampled as the searchers sample, or greedy."""
 
+    def __init__(
+        self, cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int, model: torch.nn.Module
+    ):  # HFEngine's fields, around ``model`` instead of a loaded ``cfg.model``
+        self.cfg, self.device, self.eos_id, self.pad_id = cfg, device, eos_id, pad_id
+        self.model = model
+        self.params = dict(self.model.named_parameters())
+
     def generate(self, prompts, n, greedy=False):
         pick = greedy_tokens if greedy else self.sample
         return self._decode(prompts, n, pick, with_logprobs=False)[0]

@@ -7,8 +7,8 @@ DAPO's token-level averaging, clip 0.2, one update per batch, std + 1e-4 over th
 its KL coefficient is DeepSeekMath's 0.04 (TRL's default is 0). Its surrogate is an on-policy
 estimator: data from an older policy needs the ratio to pi_old, the policy that sampled it, so
 each trajectory carries log pi_old per token, as the engine sampled it (scored by the trainer's
-rule: temperature and EOS), and log p_ref per token for the KL (``Parts.token_logprobs``: the
-searchers attach "behaviour" and "reference"). Asynchronous GRPO trains on data up to max_lag
+rule: temperature and EOS), and log p_ref per token for the KL (``GRPOSearcher`` attaches
+"behaviour" and "reference"). Asynchronous GRPO trains on data up to max_lag
 versions old, which only the clip keeps in check; --synchronous is its home.
 
 One departure from TRL: pi_old is the engine's own log-prob of the sample (vLLM's on GPUs),
@@ -17,7 +17,8 @@ is 1 only up to the numerical difference of the two engines (grpo/ratio_mean sho
 asynchronous mode has no trainer-side pi_old to recompute.
 
 The extension: ``GRPOConfig`` (its flags), the losses (torch only: copy them anywhere),
-``GRPOTrainer`` (``Trainer.backward`` replaced) and ``install``, which puts it in a run's Parts.
+``GRPOTrainer`` (``Trainer.backward`` replaced), ``GRPOSearcher`` (the per-token log-probs)
+and ``install``, which puts both in a run's Parts.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from buffer import Trajectory
+from searcher import Searcher
 from tba import group_token_logprobs, knob, need
 from trainer import Parts, Trainer
 
@@ -62,7 +64,7 @@ def install(parts: Parts, cfg: GRPOConfig) -> Parts:
     if cfg.loss != "grpo":
         return parts
     trainer = type(f"GRPO{parts.trainer.__name__}", (GRPOTrainer, parts.trainer), {"grpo": cfg})
-    return dataclasses.replace(parts, trainer=trainer, token_logprobs=("behaviour", "reference"))
+    return dataclasses.replace(parts, trainer=trainer, searcher=GRPOSearcher)
 
 
 # ----------------------------------------------------------------------------- the losses
@@ -292,6 +294,36 @@ class GRPOTrainer(Trainer):
         metrics = super().update(groups)
         del metrics["train/beta"]  # GRPO has no beta
         return metrics
+
+
+# ----------------------------------------------------------------------------- the searcher
+
+
+class GRPOSearcher(Searcher):
+    """A searcher that attaches to each trajectory what GRPO's loss reads per token
+    (``Trajectory.token_logprobs``): "behaviour", log pi_old of each scored token as the engine
+    sampled it (``Searcher.responses``), and "reference", log p_ref of each by the trainer's
+    rule (``Searcher.reference_token_logprobs``). The sums the core keeps are unchanged."""
+
+    def search_once(self):
+        self.behaviour_tokens: list[list[float]] = []  # per response, in the batch's order
+        self.reference_tokens: list[list[float]] = []
+        trajectories, seconds = super().search_once()
+        per_token = zip(trajectories, self.behaviour_tokens, self.reference_tokens, strict=True)
+        for t, behaviour, reference in per_token:
+            t.token_logprobs = {"behaviour": behaviour, "reference": reference}
+        return trajectories, seconds
+
+    def responses(self, prompts):
+        outputs, behaviour = super().responses(prompts)
+        self.behaviour_tokens += [lp for samples in behaviour for lp in samples]
+        return outputs, behaviour
+
+    def reference_token_logprobs(self, prompts, groups):
+        token_logp, mask = super().reference_token_logprobs(prompts, groups)
+        rows = zip(token_logp.tolist(), mask.sum(1).tolist(), strict=True)
+        self.reference_tokens += [lp[:n] for lp, n in rows]
+        return token_logp, mask
 
 
 def padded(rows: list[list[float]], width: int, device: torch.device) -> torch.Tensor:

@@ -29,7 +29,8 @@ import grpo
 import offpolicy
 import ray_searchers
 import report
-from tba import ConfigError, RunError, TBAConfig, config_argparser, configs_from_args
+from cli import config_argparser, configs_from_args
+from tba import ConfigError, RunError, TBAConfig
 from trainer import Parts, Trainer, run_tba
 
 # The extensions every job offers, by the config that switches them on.

@@ -13,7 +13,7 @@ Three pieces:
   ``collect`` (the intake thread, every ~50 ms) first notices a newer version in the trainer's
   ``WeightStore`` and ``ray.put``s it once (copied on a CUDA stream of its own, which waits for
   none of the trainer's kernels: ``StoreSnapshot``), then keeps at most ``ray_in_flight``
-  ``step`` calls per actor (the backpressure: no actor runs further ahead of the trainer) and
+  ``next_batch`` calls per actor (the backpressure: no actor runs further ahead of the trainer) and
   ``ray.wait``s on them. A batch is the return value of a call.
 * ``WeightBoard``, a small actor on the driver's node, holds the newest ``(version, probe,
   [ref])``. Searchers pull from it between generate calls, so an actor that Ray restarts finds
@@ -22,7 +22,7 @@ Three pieces:
   for vLLM and CUDA). The ref travels inside a list, so Ray hands it over unresolved.
 * ``SearcherActor`` builds the run's searcher (``Parts.searcher``: a checked one with
   --parity_check) over a ``RayWeightSource`` (the WeightSource protocol over the board) and runs
-  ``Searcher.step`` for each call.
+  ``Searcher.next_batch`` for each call.
 
 A version is never seen half-written: an object in Ray's object store is immutable once sealed,
 and the version and probe travel with its ref. Old versions are freed by reference counting
@@ -61,8 +61,9 @@ from pathlib import Path
 import torch
 
 from buffer import Trajectory
+from cli import run_cli
 from searcher import Batch, Searcher, SearcherSetup, WeightsNotLoaded
-from tba import RunError, TBAConfig, WeightStore, knob, need, run_cli
+from tba import RunError, TBAConfig, WeightStore, knob, need
 from trainer import Parts, SearcherFailed, prompt_shards, searcher_metrics
 
 REPO_DIR = Path(__file__).resolve().parent
@@ -305,9 +306,9 @@ class SearcherActor:
             "reconstructed": reconstructed,
         }
 
-    def step(self) -> tuple[str, Batch]:
-        """1a-1c once (``Searcher.step``), with this incarnation's id."""
-        return self.incarnation, self.searcher.step()
+    def next_batch(self) -> tuple[str, Batch]:
+        """1a-1c once (``Searcher.next_batch``), with this incarnation's id."""
+        return self.incarnation, self.searcher.next_batch()
 
 
 # ----------------------------------------------------------------------------- driver side
@@ -315,7 +316,7 @@ class SearcherActor:
 
 @dataclasses.dataclass
 class CallResult:
-    """What one call of ``step`` gave: a batch, or the error the call raised."""
+    """What one call of ``next_batch`` gave: a batch, or the error the call raised."""
 
     rank: int
     incarnation: str | None = None
@@ -377,7 +378,6 @@ class RaySearcherPool:
         reward_fn: Callable,
         store,
         make: Callable[[SearcherSetup], Searcher] = Searcher,
-        token_logprobs: tuple[str, ...] = (),
         log: Callable[[str], None] = print,
         *,
         ray_cfg: RayConfig,
@@ -408,7 +408,6 @@ class RaySearcherPool:
                 store=None,  # a RayWeightSource, made in start() when the board exists
                 out_queue=None,  # batches are the calls' return values
                 stop_event=None,  # the driver ends the actor
-                token_logprobs=token_logprobs,
             )
             for rank in range(cfg.num_searchers)
         ]
@@ -416,7 +415,7 @@ class RaySearcherPool:
         self.connected_here = False
         self.board = None
         self.actors: list = []
-        self.pending: dict = {}  # ObjectRef of a step call -> rank
+        self.pending: dict = {}  # ObjectRef of a next_batch call -> rank
         self.incarnations: dict[int, str] = {}  # rank -> the newest incarnation seen
         self.ready: set[int] = set()
         self.restarts = 0  # all searchers together, as SearcherPool counts them
@@ -513,7 +512,7 @@ class RaySearcherPool:
             busy[rank] += 1
         for rank, count in busy.items():
             for _ in range(self.ray_cfg.ray_in_flight - count):
-                self.pending[self.actors[rank].step.remote()] = rank
+                self.pending[self.actors[rank].next_batch.remote()] = rank
         done, _ = ray.wait(list(self.pending), num_returns=1, timeout=timeout)
         if done:
             done, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=0)

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from tba import RunError, config_argparser, configs_from_args, knob, need, run_cli
+from cli import config_argparser, configs_from_args, run_cli
+from tba import RunError, knob, need
 
 TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # each but none: its package's name
 METRICS_FILE = "metrics.jsonl"

@@ -27,9 +27,10 @@ from transformers import AutoConfig
 import launch
 import report
 from checks import print_summary, run_summary, weights_verdict
+from cli import run_cli
 from evaluate import EvalConfig, Evaluator, to_examples
 from rewards import gsm8k_gold, gsm8k_reward
-from tba import ConfigError, RunError, knob, load_causal_lm, run_cli
+from tba import ConfigError, RunError, knob, load_causal_lm
 from tiny import TINY_CHECKS, TINY_PRESET, tiny_task, tiny_warm_start
 
 REPO = Path(__file__).resolve().parent

@@ -88,18 +88,10 @@ from transformers import AutoTokenizer
 import launch
 import report
 from checks import run_summary
-from evaluate import EvalConfig
+from cli import run_cli
+from evaluate import EvalConfig, EvalHFEngine
 from rewards import LazyModels
-from searcher import HFEngine
-from tba import (
-    ConfigError,
-    RunError,
-    TBAConfig,
-    knob,
-    load_causal_lm,
-    pad_token_id,
-    run_cli,
-)
+from tba import ConfigError, RunError, TBAConfig, knob, load_causal_lm, pad_token_id
 from tiny import TINY_CHECKS, build_char_tokenizer, supervised_warm_start
 from tiny import TINY_PRESET as GSM8K_TINY_PRESET
 
@@ -618,7 +610,7 @@ def sample_attacks(
     ``batch_size``, by the transformers engine."""
     was_training = model.training
     model.eval()
-    engine = HFEngine(
+    engine = EvalHFEngine(
         dataclasses.replace(cfg, temperature=1.0),
         torch.device(cfg.trainer_device),
         tokenizer.eos_token_id,

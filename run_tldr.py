@@ -50,6 +50,7 @@ from transformers import AutoTokenizer
 import launch
 import report
 from checks import print_summary, run_summary, sequence_logprobs
+from cli import run_cli
 from evaluate import EvalConfig, Evaluator
 from rewards import LazyModels
 from tba import (
@@ -60,7 +61,6 @@ from tba import (
     load_causal_lm,
     need,
     pad_sequences,
-    run_cli,
     wsd_lr_factor,
 )
 from tiny import (

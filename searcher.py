@@ -47,7 +47,7 @@ from tba import (
     positions,
     prefill,
     scored_tokens,
-    token_logprobs,
+    target_logprobs,
 )
 
 logger = logging.getLogger(__name__)
@@ -128,9 +128,6 @@ class SearcherSetup:
     store: WeightSource
     out_queue: Any  # a bounded multiprocessing queue of Ready, Batch and Failure messages
     stop_event: Any  # a multiprocessing Event: set when the run ends
-    # Per-token log-probs to attach to each trajectory (Trajectory.token_logprobs), for a loss
-    # that weighs tokens: "behaviour" (the engine's, as it sampled) and "reference" (p_ref's).
-    token_logprobs: tuple[str, ...] = ()
 
 
 # ----------------------------------------------------------------------------- 1. the searcher
@@ -151,7 +148,6 @@ class Searcher:
         self.store = setup.store
         self.queue = setup.out_queue
         self.stop_event = setup.stop_event
-        self.keep = setup.token_logprobs
         self.device = torch.device(cfg.searcher_device_list()[self.rank])
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -179,11 +175,11 @@ class Searcher:
     def run(self) -> None:
         self.put(Ready(self.rank, time.time()))
         while not self.should_stop():
-            batch = self.step()  # 1a-1c
+            batch = self.next_batch()  # 1a-1c
             if batch is not None:
                 self.put(batch)  # 1d
 
-    def step(self) -> Batch | None:
+    def next_batch(self) -> Batch | None:
         """1a-1c once: the newest weights, then a batch of trajectories with what the searcher
         measured; None when the run ended while it waited for weights. A searcher on another
         machine (ray_searchers.py) runs this for each call of its driver."""
@@ -246,26 +242,18 @@ class Searcher:
         reference log-probs and behaviour log-probs (the engine's, of what it sampled), tagged
         with the version of the weights held. Returns them and the seconds spent generating,
         rewarding and scoring."""
-        batch = self.next_prompts()  # 1b
+        picked = self.next_prompts()  # 1b
         t0 = time.perf_counter()
-        prompts = [self.prompt_ids[i] for i in batch]
-        outputs, behaviour = self.engine.generate_with_logprobs(prompts, self.cfg.num_generations)
+        prompts = [self.prompt_ids[i] for i in picked]
+        outputs, behaviour = self.responses(prompts)
         t1 = time.perf_counter()
-        rewards = self.rewards(batch, outputs)  # 1c
+        rewards = self.rewards(picked, outputs)  # 1c
         t2 = time.perf_counter()
-        ref_logps, ref_token_logps = self.reference_logprobs(prompts, outputs)
+        ref_logps = self.reference_logprobs(prompts, outputs)
         t3 = time.perf_counter()
         trajectories = []
-        eos_rule = self.cfg.eos_in_logprob
-        for i, idx in enumerate(batch):
+        for i, idx in enumerate(picked):
             for j, tokens in enumerate(outputs[i]):
-                # the engine's log-probs cut to the tokens the trainer scores (the EOS rule)
-                scored = behaviour[i][j][: len(scored_tokens(tokens, self.eos_id, eos_rule))]
-                per_token = {}  # the lists a loss asked for
-                if "behaviour" in self.keep:
-                    per_token["behaviour"] = scored
-                if "reference" in self.keep:
-                    per_token["reference"] = ref_token_logps[i][j]
                 trajectories.append(
                     Trajectory(
                         prompt_id=self.examples[idx]["id"],
@@ -274,8 +262,7 @@ class Searcher:
                         reward=rewards[i][j],
                         ref_logprob=ref_logps[i][j],
                         version=self.version,
-                        token_logprobs=per_token or None,
-                        behaviour_logprob=math.fsum(scored),
+                        behaviour_logprob=math.fsum(behaviour[i][j]),
                     )
                 )
         return trajectories, (t1 - t0, t2 - t1, t3 - t2)
@@ -290,12 +277,27 @@ class Searcher:
             picked.append(self.order.pop())
         return picked
 
-    def rewards(self, batch: list[int], outputs: list[list[list[int]]]) -> list[list[float]]:
+    def responses(
+        self, prompts: list[list[int]]
+    ) -> tuple[list[list[list[int]]], list[list[list[float]]]]:
+        """1b. N responses to each prompt, and the engine's log-prob of each of their tokens
+        that the trainer scores (the EOS rule, ``tba.scored_tokens``): log pi_b, per token."""
+        outputs, logps = self.engine.generate_with_logprobs(prompts, self.cfg.num_generations)
+        rule = self.cfg.eos_in_logprob
+        behaviour = [
+            [lp[: len(scored_tokens(y, self.eos_id, rule))] for y, lp in zip(ys, lps, strict=True)]
+            for ys, lps in zip(outputs, logps, strict=True)
+        ]
+        return outputs, behaviour
+
+    def rewards(self, picked: list[int], outputs: list[list[list[int]]]) -> list[list[float]]:
         """1c. r(x, y) of every response: by the reward's ``batch`` method in one call when it
         has one (rewards.py), else one call per response. A reward that is not a finite number
         stops the run."""
         examples = [
-            self.examples[idx] for idx, samples in zip(batch, outputs, strict=True) for _ in samples
+            self.examples[idx]
+            for idx, samples in zip(picked, outputs, strict=True)
+            for _ in samples
         ]
         texts = [
             self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -326,33 +328,34 @@ class Searcher:
     @torch.no_grad()
     def reference_logprobs(
         self, prompts: list[list[int]], outputs: list[list[list[int]]]
-    ) -> tuple[list[list[float]], list[list[list[float]]] | None]:
+    ) -> list[list[float]]:
         """1c. log p_ref(y|x) (a list per prompt), scored by the rule the trainer scores log pi
-        with (``tba.group_token_logprobs``, in the trainer's passes of whole groups); and when
-        asked for ("reference" in ``token_logprobs``) also per scored token, else None."""
+        with: the rows of ``reference_token_logprobs`` summed, as ``tba.group_logprobs`` sums
+        them, in the trainer's passes of whole groups."""
         cfg = self.cfg
         sums = []
-        per_token = [] if "reference" in self.keep else None
         for part in group_passes(len(prompts), cfg.num_generations, cfg.micro_batch_size):
             groups = outputs[part]
-            token_logp, mask = group_token_logprobs(
-                self.ref,
-                prompts[part],
-                groups,
-                pad_id=self.pad_id,
-                eos_id=self.eos_id,
-                temperature=cfg.logprob_temperature(),
-                include_eos=cfg.eos_in_logprob,
-                device=self.device,
-            )
-            size = len(groups[0])
-            sums += token_logp.sum(dim=1).view(len(groups), size).tolist()  # group_logprobs
-            if per_token is not None:
-                rows = [
-                    lp[:n] for lp, n in zip(token_logp.tolist(), mask.sum(1).tolist(), strict=True)
-                ]
-                per_token += [rows[i * size : (i + 1) * size] for i in range(len(groups))]
-        return sums, per_token
+            token_logp, _ = self.reference_token_logprobs(prompts[part], groups)
+            sums += token_logp.sum(dim=1).view(len(groups), len(groups[0])).tolist()
+        return sums
+
+    def reference_token_logprobs(
+        self, prompts: list[list[int]], groups: list[list[list[int]]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """1c. log p_ref per scored token of one pass's groups, and the mask: the trainer's
+        scoring rule (``tba.group_token_logprobs``: temperature, EOS)."""
+        cfg = self.cfg
+        return group_token_logprobs(
+            self.ref,
+            prompts,
+            groups,
+            pad_id=self.pad_id,
+            eos_id=self.eos_id,
+            temperature=cfg.logprob_temperature(),
+            include_eos=cfg.eos_in_logprob,
+            device=self.device,
+        )
 
     def put(self, message: Ready | Batch) -> None:
         """1d. Put with a timeout, retrying while the run is alive (backpressure, never a hang)."""
@@ -435,25 +438,13 @@ def wants_vllm(cfg: TBAConfig, device: torch.device) -> bool:
 
 
 class HFEngine:
-    """A transformers model on CPU or CUDA, sampled by a plain KV-cache decode loop: ``cfg.model``
-    loaded, or ``model`` wrapped (the trainer's, for evaluation)."""
+    """``cfg.model`` loaded with transformers on CPU or CUDA, sampled by a plain KV-cache decode
+    loop. (Around a model already in memory, the trainer's: evaluate.EvalHFEngine.)"""
 
-    def __init__(
-        self,
-        cfg: TBAConfig,
-        device: torch.device,
-        eos_id: int,
-        pad_id: int,
-        model: torch.nn.Module | None = None,
-    ):
+    def __init__(self, cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int):
         self.cfg, self.device, self.eos_id, self.pad_id = cfg, device, eos_id, pad_id
-        self.model = (
-            model
-            if model is not None
-            else load_causal_lm(cfg.model, cfg.torch_dtype(), device, cfg.trust_remote_code)
-            .eval()
-            .requires_grad_(False)
-        )
+        model = load_causal_lm(cfg.model, cfg.torch_dtype(), device, cfg.trust_remote_code)
+        self.model = model.eval().requires_grad_(False)
         self.params = dict(self.model.named_parameters())
 
     def generate(self, prompts, n):
@@ -464,7 +455,7 @@ class HFEngine:
         return self._decode(prompts, n, self.sample, with_logprobs=False)[0]
 
     def generate_with_logprobs(self, prompts, n):
-        """``generate``'s samples, each token scored by ``tba.token_logprobs``, the trainer's
+        """``generate``'s samples, each token scored by ``tba.target_logprobs``, the trainer's
         formula, on the logits it was drawn from."""
         return self._decode(prompts, n, self.sample, with_logprobs=True)
 
@@ -483,7 +474,7 @@ class HFEngine:
         for _ in range(self.cfg.max_new_tokens):
             token = pick(logits)  # the next token of every row
             if with_logprobs:
-                scored = token_logprobs(
+                scored = target_logprobs(
                     logits[:, None], token[:, None], self.cfg.logprob_temperature()
                 )
                 logp_columns.append(scored[:, 0])

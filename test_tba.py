@@ -486,8 +486,8 @@ def test_buffer_min_version_bounds_the_age_of_every_draw():
         for version in range(pid % 6):  # prompt p holds versions 0 .. p % 6 - 1
             buf.add(traj(pid, [version, 7], reward=float(version), version=version))
         buf.add(traj(pid, [99], version=pid % 6))
-    buf.mark_sync()
-    for pid in (0, 4, 5, 11):  # refreshed after the sync, two of them with old items only
+    buf.mark_published()
+    for pid in (0, 4, 5, 11):  # refreshed after the publish, two of them with old items only
         buf.add(traj(pid, [98], version=pid % 6))
     young = {pid for pid in range(12) if pid % 6 >= 4}
     assert buf.count_prompts_since(4) == len(young) == 4
@@ -510,8 +510,8 @@ def test_buffer_mop_prompts_are_those_refreshed_since_the_latest_sync():
     for pid in range(40):
         for j in range(6):
             buf.add(traj(pid, [pid, j], version=0))
-    buf.mark_sync()
-    for pid in range(30, 40):  # ten prompts refreshed after the sync, by version 2
+    buf.mark_published()
+    for pid in range(30, 40):  # ten prompts refreshed after the publish, by version 2
         for j in range(3):
             buf.add(traj(pid, [pid, 100 + j], version=2))
     flags, mop_prompts = [], []
@@ -527,7 +527,7 @@ def test_buffer_mop_prompts_are_those_refreshed_since_the_latest_sync():
     # Cycled without replacement: each run of ten MOP draws covers the ten fresh prompts.
     assert sorted(mop_prompts[:10]) == list(range(30, 40))
     # Fewer fresh prompts than P: the P most recently refreshed ones stand in.
-    buf.mark_sync()
+    buf.mark_published()
     buf.add(traj(5, [5, 99], version=4))
     buf.mop_prob = 1.0
     groups, is_mop = buf.sample(3, 2)

@@ -17,8 +17,9 @@ import torch
 from tqdm import tqdm
 
 from checks import sequence_logprobs
+from cli import configs_from_args
 from evaluate import EvalConfig, Evaluator, to_examples
-from tba import TBAConfig, configs_from_args, pad_sequences
+from tba import TBAConfig, pad_sequences
 
 # Offline CPU run: a tiny Llama warm-started on synthetic sums, then TBA with 1 searcher. Tuned
 # for time to accuracy on a 2-core CPU (docs/tiny.md, "How the tiny preset was tuned"):

@@ -128,7 +128,7 @@ class Trainer:
         enough_prompts = len(self.buffer.groups) >= cfg.prompts_per_step
         # The newest data at most max_lag versions old (the released run's barrier).
         caught_up = cfg.max_lag < 0 or self.buffer.newest_version >= self.step - cfg.max_lag
-        trained = (self.step + 1) * cfg.prompts_per_step * cfg.responses_per_prompt
+        trained = (self.step + 1) * cfg.trajectories_per_step()
         paced = cfg.replay_ratio == 0 or trained <= cfg.replay_ratio * self.buffer.num_added
         return filled and enough_prompts and caught_up and young and paced
 
@@ -296,7 +296,7 @@ class Trainer:
         """5. Copy the weights into the store as version ``step``; returns the seconds taken."""
         t0 = time.perf_counter()
         store.publish(self.weights_to_publish(), self.step, self.probe())
-        self.buffer.mark_sync()  # most-on-policy now means refreshed after this publish
+        self.buffer.mark_published()  # most-on-policy now means refreshed after this publish
         return time.perf_counter() - t0
 
     def weights_to_publish(self) -> list[tuple[str, torch.Tensor]]:
@@ -469,8 +469,6 @@ class Parts:
     # Starts, watches and stops the searcher processes (each runs a ``searcher``); called as
     # SearcherPool is (a factory: SearcherPool is defined at the end, with the plumbing).
     pool: Callable[..., SearcherPool] = field(default_factory=lambda: SearcherPool)
-    # Per-token log-probs the searchers attach to every trajectory (SearcherSetup).
-    token_logprobs: tuple[str, ...] = ()
 
 
 class Interrupted(KeyboardInterrupt):
@@ -528,7 +526,6 @@ def run_tba(
         reward_fn,
         store,
         make=parts.searcher,
-        token_logprobs=parts.token_logprobs,
         log=tqdm.write,
     )
     trainer = None  # set once loaded (and resumed): only then is a checkpoint written on exit
@@ -704,7 +701,6 @@ class SearcherPool:
         reward_fn: Callable,
         store: WeightStore,
         make: Callable[[SearcherSetup], Searcher] = Searcher,
-        token_logprobs: tuple[str, ...] = (),
         log: Callable[[str], None] = print,
     ):
         self.cfg = cfg
@@ -723,7 +719,6 @@ class SearcherPool:
                 store=store,
                 out_queue=self.queue,
                 stop_event=self.stop_event,
-                token_logprobs=token_logprobs,
             )
             for rank in range(cfg.num_searchers)
         ]

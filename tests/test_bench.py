@@ -11,8 +11,9 @@ import sys
 import pytest
 
 import bench
+from cli import run_cli
 from helpers import REPO
-from tba import ConfigError, run_cli
+from tba import ConfigError
 
 
 def test_stale_loss_names():

@@ -72,7 +72,7 @@ def test_mop_fraction_is_realised_at_the_paper_shape(tiny_model_dir):
     """Simulated searchers at the paper's shape feed the real Trainer as run_tba does: 3
     searchers of different speeds (a batch of 3 prompts x 24 every 1, 1.7 and 2.9 trainer
     steps), P = 7 prompts of K = 20 per step, a sync every 2 steps. Often fewer than P prompts
-    are fresh since the sync; the realised most-on-policy fraction is still m."""
+    are fresh since the publish; the realised most-on-policy fraction is still m."""
     cfg = TBAConfig(
         model=tiny_model_dir,
         dtype="float32",
@@ -247,8 +247,8 @@ def test_buffer_packed_layout_draws_what_the_list_layout_drew():
         packed.add(t)
         reference.add(t)
         if i % 200 == 199:
-            packed.mark_sync()
-            reference.mark_sync()
+            packed.mark_published()
+            reference.mark_published()
         if i % 10 == 9 and len(packed.groups) >= 4:
             for shape, bound in (
                 ((4, 3), {}),

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import json
+import pickle
 import types
 
 import pytest
 
 import checks
+import grpo
 import launch
 import run_gsm8k
 from evaluate import EvalConfig
 from helpers import checked, child_pids, cpu_main_args, time_limit
 from run_gsm8k import main
-from searcher import WeightsNotLoaded
+from searcher import Searcher, WeightsNotLoaded
 from test_tba import digit_reward, pace, read_metrics, tiny_cfg, tiny_examples
-from trainer import run_tba
+from trainer import Parts, run_tba
 
 
 @pytest.mark.slow
@@ -153,3 +155,17 @@ def test_the_parity_tolerance_has_a_floor_in_bf16(monkeypatch, tiny_model_dir):
         argv = ["--model", tiny_model_dir, "--dtype", dtype, "--parity_check"]
         args = launch.argparser("", ["paper"], *tasks).parse_args(argv)
         assert launch.parity_probe(launch.parse(args, {}, *tasks)).floor == floor
+
+
+def test_the_checked_searcher_stacks_over_an_extensions_searcher(monkeypatch):
+    """--parity_check with --loss grpo: the searcher the checks install is GRPO's too (it keeps
+    the per-token log-probs GRPO's loss reads), and what the searcher processes get pickles."""
+    probe = checks.ParityProbe([1, 2], [3], 0.02)
+    parts = checks.install(grpo.install(Parts(), grpo.GRPOConfig(loss="grpo")), probe)
+    make = pickle.loads(pickle.dumps(parts.searcher))
+    monkeypatch.setattr(Searcher, "__init__", lambda self, setup: None)  # no model to load
+    searcher = make(None)
+    assert isinstance(searcher, checks.CheckedSearcher) and isinstance(searcher, grpo.GRPOSearcher)
+    assert searcher.parity == probe
+    plain = checks.install(Parts(), probe).searcher(None)
+    assert isinstance(plain, checks.CheckedSearcher) and not isinstance(plain, grpo.GRPOSearcher)

@@ -1,7 +1,7 @@
 """What a person sees when a run cannot go on: a configuration that cannot work, a file that is
 missing or malformed, a model that is not there, a checkpoint that is not one, a stop by signal.
 Each is one line on stderr (after argparse's usage line for a flag), with a distinct exit status
-and no traceback; a bug keeps its traceback (tba.run_cli)."""
+and no traceback; a bug keeps its traceback (cli.run_cli)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ import report
 import run_gsm8k
 import run_redteam
 import run_tldr
+from cli import run_cli
 from helpers import cli_run, stop_run, wait_for_rows
-from tba import ConfigError, RunError, run_cli
+from tba import ConfigError, RunError
 from tiny import cpu_config, save_tiny_model
 from trainer import SearcherFailed, Trainer
 
@@ -111,7 +112,7 @@ def test_interrupt_outside_training_says_so(capsys):
 # FSDP's objects is), then works on: a signal that lands in the callback must still stop it.
 SIGNAL_IN_CALLBACK = """
 import gc, sys, time, weakref
-from tba import run_cli
+from cli import run_cli
 
 class Held:
     pass

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from buffer import ReplayBuffer, Trajectory
+from evaluate import EvalHFEngine
 from grpo import GRPOConfig, grpo_advantages, grpo_loss, grpo_metrics, k3_kl, padded
 from helpers import checked, child_pids, grpo_parts, time_limit
-from searcher import HFEngine
 from tba import (
     group_token_logprobs,
     scored_tokens,
@@ -387,7 +387,7 @@ def test_hf_engine_records_the_trainers_logprobs_so_grpo_starts_at_ratio_one(
     cfg = trainer.cfg
     prompts = [[5, 6, 7, 8], [9, 10]]
     torch.manual_seed(0)
-    engine = HFEngine(cfg, torch.device("cpu"), eos_id=1, pad_id=0, model=trainer.model)
+    engine = EvalHFEngine(cfg, torch.device("cpu"), eos_id=1, pad_id=0, model=trainer.model)
     first, _ = engine.generate_with_logprobs(prompts, 4)
     # The untrained model rarely emits EOS: let its most sampled token stand for EOS.
     eos = max(range(4, 90), key=[t for o in first for r in o for t in r].count)

@@ -11,7 +11,8 @@ import torch
 
 import launch
 import run_gsm8k
-from tba import ConfigError, run_cli
+from cli import run_cli
+from tba import ConfigError
 
 NEEDS = launch.GSM8K_PAPER_NEEDS
 

@@ -10,8 +10,9 @@ from helpers import REPO
 
 CORE = {"tba", "buffer", "searcher", "trainer", "rewards", "run_gsm8k"}
 ALONE = {"buffer", "rewards"}  # each copies out alone (DEVELOPERS.md rule 6)
-# run_gsm8k is the main job: it may assemble the extensions a flag asks for, through launch
-JOB_USES = {"launch", "tiny", "evaluate", "checks", "report"}
+# run_gsm8k is the main job: it may assemble the extensions a flag asks for, through launch, and
+# end as every entry script does, through cli
+JOB_USES = {"cli", "launch", "tiny", "evaluate", "checks", "report"}
 
 
 def project_modules() -> set[str]:

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import report
-from tba import ConfigError, RunError, config_argparser, configs_from_args
+from cli import config_argparser, configs_from_args
+from tba import ConfigError, RunError
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = {"model": "tiny", "beta": 0.05, "sync_every": 2, "synchronous": False, "note": None}
@@ -322,7 +323,7 @@ def test_none_and_ranks_above_zero_write_nothing(tmp_path, monkeypatch):
 
 
 def test_flags_and_their_checks():
-    """The flags come from ReportConfig (tba.config_argparser), as every job's do."""
+    """The flags come from ReportConfig (cli.config_argparser), as every job's do."""
     parser = config_argparser("", report.ReportConfig)
 
     def parse(*flags: str) -> report.ReportConfig:

@@ -17,6 +17,7 @@ from transformers import (
 
 import run_gsm8k
 import tiny
+from cli import config_argparser, configs_from_args
 from grpo import GRPOConfig
 from helpers import (
     child_pids,
@@ -31,7 +32,7 @@ from helpers import (
     wait_for_rows,
 )
 from run_gsm8k import main, read_gsm8k_jsonl
-from tba import ConfigError, TBAConfig, config_argparser, configs_from_args
+from tba import ConfigError, TBAConfig
 from test_tba import digit_reward, read_metrics, tiny_cfg, tiny_examples
 from trainer import SearcherFailed, run_tba
 

@@ -20,15 +20,12 @@ from transformers import (
 )
 
 import run_tldr
+from cli import configs_from_args
 from evaluate import EvalConfig
 from grpo import GRPOConfig
 from helpers import child_pids, time_limit
 from run_tldr import RewardModelReward
-from tba import (
-    RunError,
-    TBAConfig,
-    configs_from_args,
-)
+from tba import RunError, TBAConfig
 from test_tba import read_metrics
 from tiny import (
     build_char_tokenizer,
