@@ -256,7 +256,7 @@ def test_install_and_config_errors():
     grpo_parts = grpo.install(Parts(), grpo.GRPOConfig(loss="grpo"))
     both = offpolicy.install(grpo_parts, OffPolicyConfig(grpo_m2po_tau=0.04))
     assert issubclass(both.trainer, offpolicy.OffPolicyGRPOTrainer)
-    assert both.token_logprobs == ("behaviour", "reference")
+    assert both.searcher is grpo.GRPOSearcher  # it records the per-token log-probs
     with pytest.raises(ConfigError):
         offpolicy.install(Parts(), OffPolicyConfig(grpo_decoupled=True))
     with pytest.raises(ConfigError):
