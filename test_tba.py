@@ -250,10 +250,12 @@ def test_tb_off_policy_converges_to_closed_form_target():
         )  # and not 0 elsewhere
 
 
-def tabular_tb_run(clip_eps: float, lag: int | None, steps: int = 400):
+def tabular_tb_run(clip_eps: float, lag: int | None, steps: int = 400, drop=None):
     """Train a tabular policy by TB on data of the policy ``lag`` steps before (None: of a fixed
     behaviour policy far from the target); returns the total variation from p_ref exp(r/beta)/Z
-    and the largest fraction of items a step clipped."""
+    and the largest fraction of items a step clipped. ``drop(logp, ref_logp, reward, beta,
+    behaviour_logp)``, when given, names the items that give no gradient (a mask such as
+    offpolicy.py's; tests/test_offpolicy.py)."""
     vocab, length, beta, p, k = 3, 3, 0.5, 8, 8
     policy = TabularPolicy(vocab, length, scale=0.0)
     ref = TabularPolicy(vocab, length, scale=1.0, seed=11)
@@ -277,6 +279,9 @@ def tabular_tb_run(clip_eps: float, lag: int | None, steps: int = 400):
         reward = torch.tensor([reward_of[s] for s in flat], dtype=torch.float64).view(p, k)
         clipped = tb_clipped(logp, ref_logp, reward, beta, behaviour_logp, clip_eps)
         most_clipped = max(most_clipped, clipped.double().mean().item())
+        if drop is not None:
+            dropped = drop(logp, ref_logp, reward, beta, behaviour_logp)
+            logp = torch.where(dropped, logp.detach(), logp)
         loss = tb_loss(logp, ref_logp, reward, beta, behaviour_logp, clip_eps)
         opt.zero_grad()
         loss.backward()
