@@ -21,9 +21,8 @@ This file imports nothing from the project (standard library only), so it can be
   (those of its newest policy version). Otherwise the prompt is any prompt, and the K items are
   drawn by softmax(reward * inv_temp) (0 = uniform).
 * MOP prompts are those refreshed (given new items) since the latest weight publish, which the
-  trainer announces with ``mark_published()``; when fewer than P prompts were refreshed, they are
-  topped up to P with prompts whose newest item no step has trained on, then with the most
-  recently refreshed ones. Contract: call ``mark_published()`` every time new weights are
+  trainer announces with ``mark_published()``; when fewer than P prompts were refreshed, the P
+  most recently refreshed ones. Contract: call ``mark_published()`` every time new weights are
   published. Without it "refreshed since the publish" means "ever refreshed", so MOP draws become
   uniform over every prompt and m loses its meaning (``stats()`` reports ``buffer/fresh`` to
   make this visible). The official code's barrier delivers a publish interval's data at once;
@@ -283,28 +282,15 @@ class ReplayBuffer:
     def mop_prompts(
         self, at_least: int, min_version: int | None = None, eligible: list | None = None
     ) -> list[Hashable]:
-        """Prompts refreshed since the latest publish; when fewer than ``at_least`` were, topped
-        up to ``at_least`` with the prompts whose newest item no step has trained on, then the
-        most recently refreshed. With ``min_version``, only prompts holding items that new
+        """Prompts refreshed since the latest publish, or the ``at_least`` most recently refreshed
+        ones when fewer were; with ``min_version``, only prompts holding items that new
         (``eligible``, in refresh order, when the caller has listed them already)."""
         if eligible is None:
             eligible = [pid for pid in self.groups if self._holds_version(pid, min_version)]
         fresh = [pid for pid in eligible if pid in self._fresh]
         if len(fresh) >= at_least:
             return fresh
-        # Untrained ones first: a publish between a batch's arrival and the step that would have
-        # drawn it must not hand its place to a batch a step has just trained, which then trains
-        # twice while the other is never trained (docs/tiny.md, "Which data a step picks").
-        need = at_least - len(fresh)
-        others = [pid for pid in reversed(eligible) if pid not in self._fresh]  # newest first
-        untrained = [pid for pid in others if not self._trained(self.groups[pid][-1])][:need]
-        taken = set(untrained)
-        recent = [pid for pid in others if pid not in taken][: need - len(untrained)]
-        return fresh + untrained + recent
-
-    def _trained(self, item: StoredTrajectory) -> bool:
-        """Whether some step has drawn the item."""
-        return item.draws > 0
+        return eligible[-at_least:]
 
     def _holds_version(self, pid: Hashable, min_version: int | None) -> bool:
         """Whether the prompt holds an item of ``min_version`` or newer (groups are sorted by

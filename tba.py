@@ -25,12 +25,12 @@ The algorithm (the main loops in the code are labelled with these numbers)
      then only while its newest data is over max_lag versions old (or, with max_train_lag,
      until P prompts hold data at most that many versions old).
   3. Each step samples P groups of K trajectories. With probability m a group is MOP: a prompt
-     refreshed since the latest publish (when fewer than P were, untrained ones, then the most
-     recently refreshed, stand in) with its newest items; else any prompt, items drawn by
-     softmax(r * inv_temp). Stale data is fine: the TB optimum does not depend on where the
-     samples came from. The path to it does: on the tiny task plain TB collapses on data four
-     versions old, and holds at sixteen with step 4's trust region (docs/staleness.md);
-     max_train_lag can bound the age of every item a step draws.
+     refreshed since the latest publish (or one of the P most recently refreshed) with its
+     newest items; else any prompt, items drawn by softmax(r * inv_temp). Stale data is fine:
+     the TB optimum does not depend on where the samples came from. The path to it does: on
+     the tiny task plain TB collapses on data four versions old, and holds at sixteen with
+     step 4's trust region (docs/staleness.md); max_train_lag can bound the age of every item
+     a step draws.
   4. It recomputes log pi(y|x) with gradients and takes an AdamW step on the VarGrad TB loss
      (Eq. 5): d_i = log pi(y_i|x) - log p_ref(y_i|x) - r(x, y_i) / beta, log Z = -mean_i d_i
      (detached), L = mean over the P prompts and their K responses of (log Z + d_i)^2; with a
@@ -56,9 +56,7 @@ Deviations from the official code, with reasons
   * Processes and queues, no barrier at every sync: the trainer waits only as max_lag says (the
     barrier kept the newest data within 2k - 1 = 3 versions, the default).
   * MOP without barriers: official MOP prompts are those a sync delivered at once; here data
-    trickles in, so they are topped up, first with prompts no step has trained on (a batch that
-    arrived just before a publish), then with the most recently refreshed: async/mop_frac is m,
-    and a step never retrains a batch while another waits untrained.
+    trickles in, so they are topped up with the most recently refreshed: async/mop_frac is m.
   * Weights travel as shared tensors (CUDA IPC or shared memory) with a version counter, not as
     MPI broadcasts: a sync is a device copy.
   * Log-softmax runs in fp32 (``target_logprobs`` says why); the official code runs it in bf16.

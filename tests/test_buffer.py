@@ -173,26 +173,6 @@ def test_buffer_state_round_trips_per_token_log_probs(tmp_path):
     assert copy.groups[1][0].token_logprobs is None
 
 
-def test_buffer_mop_stand_ins_are_untrained_prompts_before_retrained_ones():
-    """Two batches of P prompts arrive before a step; the step draws P of them, then publishes.
-    With no prompt refreshed since, the next step's MOP stand-ins are the P that no step has
-    trained, not the P most recently refreshed (about half of them just trained): every item
-    is trained once before any is trained twice."""
-    P = 4
-    buf = ReplayBuffer(capacity=8, mop_prob=1.0, seed=0)
-    for pid in range(2 * P):
-        buf.add(traj(pid, [pid, 1], version=3))
-    first = {g[0].prompt_id for g in buf.sample(P, 2)[0]}
-    buf.mark_published()
-    assert buf.stats()["buffer/fresh_untrained"] == P
-    second = {g[0].prompt_id for g in buf.sample(P, 2)[0]}
-    assert first.isdisjoint(second) and first | second == set(range(2 * P))
-    assert buf.num_drawn_first == buf.num_drawn == 2 * P
-    # All trained: the most recently refreshed stand in, as before.
-    buf.mark_published()
-    assert {g[0].prompt_id for g in buf.sample(P, 2)[0]} == set(range(P, 2 * P))
-
-
 class ListLayoutBuffer(ReplayBuffer):
     """The slow reference: ReplayBuffer.add as it was before items were packed (Trajectory
     records holding lists, deduplication by tuples, a sort per add), with the same sampling."""
@@ -225,9 +205,6 @@ class ListLayoutBuffer(ReplayBuffer):
             draws[id(t)] = (held, count + 1)
             self.num_drawn += 1
         return list(items)
-
-    def _trained(self, item) -> bool:
-        return id(item) in self.__dict__.get("draws_of", {})
 
 
 def test_buffer_checkpoint_with_empty_responses_loads_weights_only(tmp_path):
