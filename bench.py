@@ -232,6 +232,8 @@ ACCOUNTING_MEAN = {
     "reward_s": "time/reward",
     "train_s": "time/forward_backward",
     "wait_s": "time/wait",
+    "publish_s": "time/publish",  # per step: 0 at the steps that do not publish (k > 1)
+    "load_s": "time/load",  # a searcher's weight load, per batch
     "fresh_untrained": "buffer/fresh_untrained",
 }
 ACCOUNTING_LAST = {
