@@ -416,7 +416,9 @@ TINY_PRESET: dict = dict(
     beta_end=0.5,
     mop_prob=0.5,
     sync_every=2,
+    max_lag=1,  # as docs/redteam.md measured it (the GSM8K preset's 2 was measured on sums)
     max_train_lag=-1,
+    replay_ratio=0.0,
     # Replay prioritised by reward (the paper's reward-prioritised sampling; Lee et al. replay
     # by reward too): a rare success is drawn again and again instead of waiting for the policy
     # to sample it. 2.0 weighs an attack at a trigger's mean reward (-0.73) e^(2 x 2.8) ~ 260

@@ -23,8 +23,10 @@ from tba import TBAConfig, pad_sequences
 
 # Offline CPU run: a tiny Llama warm-started on synthetic sums, then TBA with 1 searcher. Tuned
 # for time to accuracy on a 2-core CPU (docs/tiny.md, "How the tiny preset was tuned"):
-# publishing every step, and training only on data at most one version old, which the staleness
-# experiment found free per step (docs/staleness.md), while searcher and trainer still overlap.
+# publishing every step, training on data at most two versions old, and at most one step per
+# batch generated (docs/tiny.md, "Which data a step picks": with a bound of one version the
+# trainer, twice the searcher's speed, fell in half the seeds into a schedule that trained each
+# batch twice and wasted every other one).
 # One CPU: fp32, trainer and searcher on ``cpu``, the transformers engine (vLLM eager where it
 # is chosen: compiling costs start-up and gains a CPU no speed), shared-memory weights, and one
 # torch thread per process (tiny ops: a 2nd thread only spins, and slows badly when a core is busy).
@@ -57,8 +59,9 @@ TINY_PRESET: dict = dict(
     beta_anneal_steps=0,
     mop_prob=0.95,
     sync_every=1,
-    max_lag=1,
-    max_train_lag=1,
+    max_lag=2,
+    max_train_lag=2,
+    replay_ratio=1.0,
     buffer_capacity=32,
     initial_samples=128,
     queue_size=4,
