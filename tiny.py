@@ -25,8 +25,8 @@ from tba import TBAConfig, pad_sequences
 # for time to accuracy on a 2-core CPU (docs/tiny.md, "How the tiny preset was tuned"):
 # publishing every step, training on data at most two versions old, and at most one step per
 # batch generated (docs/tiny.md, "Which data a step picks": with a bound of one version the
-# trainer, twice the searcher's speed, fell in half the seeds into a schedule that trained each
-# batch twice and wasted every other one).
+# trainer, twice the searcher's speed, fell in two seeds of five into a schedule that trained
+# each batch twice and wasted every other one).
 # One CPU: fp32, trainer and searcher on ``cpu``, the transformers engine (vLLM eager where it
 # is chosen: compiling costs start-up and gains a CPU no speed), shared-memory weights, and one
 # torch thread per process (tiny ops: a 2nd thread only spins, and slows badly when a core is busy).
