@@ -4,16 +4,17 @@ A run writes one metrics row per trainer step to ``output_dir/metrics.jsonl``. T
 beside that file and never instead of it:
 
 - ``Reporter``: every row also goes to a tracker the user already has, with the run's config.
-  ``--report_to`` picks one: ``none`` (the default), ``tensorboard`` (event files in
+  ``--report_to`` names ``none`` (the default) or one or more of, comma-separated (as the
+  ``report_to`` list of transformers' Trainer): ``tensorboard`` (event files in
   ``RUN_DIR/tensorboard``; ``tensorboard --logdir RUN_DIR``), ``wandb`` (``RUN_DIR/wandb``;
-  offline unless the user is logged in, see ``wandb_mode``) or ``trackio`` (local-first, no
+  offline unless the user is logged in, see ``wandb_mode``), ``trackio`` (local-first, no
   account: its own store, ``trackio show`` opens the dashboard). Each tracker is an optional
   package, imported only when named; a missing one is an error that says what to install.
 - ``plot_run``: ``RUN_DIR/curves.png``, one figure of the run's curves (reward and evaluation
   against steps and against seconds, the loss, the lag distribution, samples per second).
 
 From a finished run's directory, ``python report.py RUN_DIR`` draws the picture and prints its
-path; ``--report_to X`` also sends the run's rows to tracker X after the fact.
+path; ``--report_to X`` also sends the run's rows to tracker(s) X after the fact.
 
 An extension: the core never imports this file; every job offers ``--report_to`` through
 launch.py, which logs each row and draws the picture at the end of a run. Beyond the project's
@@ -50,18 +51,23 @@ class ReportConfig:
 
     report_to: str = knob(
         "none",
-        "also send every metrics row, with the config, to a tracker: none | tensorboard "
-        "(RUN_DIR/tensorboard) | wandb (RUN_DIR/wandb; offline unless logged in) | trackio "
-        "(local; `trackio show`)",
+        "also send every metrics row, with the config, to trackers: none, or one or more of "
+        "tensorboard (RUN_DIR/tensorboard), wandb (RUN_DIR/wandb; offline unless logged in), "
+        "trackio (local; `trackio show`), comma-separated",
     )
     run_name: str = knob("", "the run's name in the tracker; empty: the output directory's name")
     project: str = knob("tba", "the wandb / trackio project the run goes to")
 
     def __post_init__(self) -> None:
-        need(
-            self.report_to in TRACKERS,
-            f"--report_to {self.report_to!r} is not one of {', '.join(TRACKERS)}",
-        )
+        names = [name.strip() for name in self.report_to.split(",")]
+        for name in names:
+            need(name in TRACKERS, f"--report_to {name!r} is not one of {', '.join(TRACKERS)}")
+        need("none" not in names or names == ["none"], "--report_to: none goes alone")
+
+    def trackers(self) -> list[str]:
+        """The trackers named, in order, each once; [] for none."""
+        names = [name.strip() for name in self.report_to.split(",")]
+        return [name for name in dict.fromkeys(names) if name != "none"]
 
 
 class MissingPackage(ModuleNotFoundError, RunError):
@@ -199,22 +205,27 @@ class Reporter:
     def __init__(self, cfg: ReportConfig, run_dir: str | Path, config: dict):
         self.run_dir = Path(run_dir)
         self.run_name = cfg.run_name or self.run_dir.resolve().name
-        self.tracker = None
-        if cfg.report_to == "none" or int(os.environ.get("RANK", "0")) > 0:
+        self.trackers = []
+        if not cfg.trackers() or int(os.environ.get("RANK", "0")) > 0:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         safe = _json_safe(config)
-        if cfg.report_to == "tensorboard":
-            self.tracker = _TensorBoard(self.run_dir, safe)
-        elif cfg.report_to == "wandb":
-            self.tracker = _WandB(self.run_dir, safe, self.run_name, cfg.project)
-        else:
-            self.tracker = _Trackio(safe, self.run_name, cfg.project)
+        try:
+            for name in cfg.trackers():
+                if name == "tensorboard":
+                    self.trackers.append(_TensorBoard(self.run_dir, safe))
+                elif name == "wandb":
+                    self.trackers.append(_WandB(self.run_dir, safe, self.run_name, cfg.project))
+                else:
+                    self.trackers.append(_Trackio(safe, self.run_name, cfg.project))
+        except BaseException:
+            self.close(failed=True)  # the trackers started before the one that could not
+            raise
 
     def log(self, row: dict) -> None:
         """Send one metrics row: ``row["step"]`` is the step, every other number a metric
         (``wall_time`` included); values that are not numbers are skipped."""
-        if self.tracker is None:
+        if not self.trackers:
             return
         step = row.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
@@ -224,15 +235,21 @@ class Reporter:
             for key, value in row.items()
             if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)
         }
-        self.tracker.log(step, scalars)
+        for tracker in self.trackers:
+            tracker.log(step, scalars)
 
     def close(self, failed: bool = False) -> None:
-        """Finish the tracker's run (``failed`` marks it so where the tracker can); twice is
-        once."""
-        if self.tracker is not None:
-            tracker = self.tracker
-            self.tracker = None
-            tracker.close(failed)
+        """Finish each tracker's run (``failed`` marks it so where the tracker can); twice is
+        once. Every tracker is closed even when one raises; the first error is raised after."""
+        trackers, self.trackers = self.trackers, []
+        errors = []
+        for tracker in trackers:
+            try:
+                tracker.close(failed)
+            except Exception as error:  # noqa: BLE001 (raised below, after the others close)
+                errors.append(error)
+        if errors:
+            raise errors[0]
 
     def __enter__(self) -> Reporter:
         return self
@@ -544,15 +561,15 @@ def replay(run_dir: str | Path, cfg: ReportConfig) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = config_argparser(
         "Draw a finished run's curves into RUN_DIR/curves.png and print its path; with "
-        "--report_to, also send its metrics rows to that tracker.",
+        "--report_to, also send its metrics rows to those trackers.",
         ReportConfig,
     )
     parser.add_argument("run_dir", help="a run's output_dir, where its metrics.jsonl is")
-    parser.usage = "%(prog)s RUN_DIR [--report_to TRACKER] [--run_name NAME] [--project NAME]"
+    parser.usage = "%(prog)s RUN_DIR [--report_to TRACKERS] [--run_name NAME] [--project NAME]"
     args = parser.parse_args(argv)
     print(plot_run(args.run_dir))
     (cfg,) = configs_from_args(args, {}, ReportConfig)
-    if cfg.report_to != "none":
+    if cfg.trackers():
         count = replay(args.run_dir, cfg)
         print(f"{count} rows sent to {cfg.report_to}", file=sys.stderr)
 

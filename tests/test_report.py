@@ -252,31 +252,28 @@ def test_trackio_local_store_holds_every_row(run_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tracker", ["tensorboard", "wandb", "trackio"])
-def test_a_tiny_run_sends_every_metrics_row_to_its_tracker(tracker, tiny_model_dir, tmp_path):
-    """The main job, a few steps of the tiny preset with --report_to: the tracker holds what
-    metrics.jsonl holds, step for step (evaluation rows included), with the run's config; and
-    the run leaves its picture."""
+def test_a_tiny_run_sends_every_metrics_row_to_each_tracker(tiny_model_dir, tmp_path):
+    """The main job, a few steps of the tiny preset with --report_to naming all three trackers:
+    each holds what metrics.jsonl holds, step for step (evaluation rows included), with the
+    run's config; and the run leaves its picture."""
     env = tracker_env(tmp_path)
     out = tmp_path / "tiny_run"
     flags = ["--preset", "tiny", "--model", tiny_model_dir, "--output_dir", str(out)]
     flags += ["--total_steps", "3", "--eval_every", "2", "--eval_test_size", "4"]
     flags += ["--eval_subset", "4", "--eval_samples", "0", "--initial_samples", "16"]
-    flags += ["--report_to", tracker, "--project", "tba-test", "--run_name", "tiny"]
+    flags += ["--report_to", "tensorboard,wandb,trackio", "--project", "tba-test"]
+    flags += ["--run_name", "tiny"]
     run_child([sys.executable, str(REPO / "run_gsm8k.py"), *flags], env, tmp_path, timeout=300)
     rows = report.read_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3] and "eval/accuracy" in rows[1]
-    if tracker == "tensorboard":
-        _, logged = tensorboard_scalars(out / "tensorboard")
-        assert_same(logged, numbers(rows, float32))
-    elif tracker == "wandb":
-        logged, run = read_wandb(out, env, tmp_path)
-        assert_same(logged, numbers(rows))
-        assert run["config"]["update"]["total_steps"] == 3
-    else:
-        logged, config = read_trackio("tba-test", "tiny", env, tmp_path)
-        assert_same(logged, numbers(rows))
-        assert config["report_to"] == "trackio" and config["total_steps"] == 3
+    _, logged = tensorboard_scalars(out / "tensorboard")
+    assert_same(logged, numbers(rows, float32))
+    logged, run = read_wandb(out, env, tmp_path)
+    assert_same(logged, numbers(rows))
+    assert run["config"]["update"]["total_steps"] == 3
+    logged, config = read_trackio("tba-test", "tiny", env, tmp_path)
+    assert_same(logged, numbers(rows))
+    assert config["report_to"] == "tensorboard,wandb,trackio" and config["total_steps"] == 3
     assert_png(out / "curves.png")
 
 
@@ -335,6 +332,23 @@ def test_flags_and_their_checks():
     assert parse() == report.ReportConfig()
     with pytest.raises(ConfigError, match="--report_to 'mlflow' is not one of none"):
         parse("--report_to", "mlflow")
+    assert parse("--report_to", "wandb, tensorboard,wandb").trackers() == ["wandb", "tensorboard"]
+    assert parse("--report_to", "none").trackers() == []
+    with pytest.raises(ConfigError, match="--report_to 'mlflow' is not one of none"):
+        parse("--report_to", "wandb,mlflow")
+    with pytest.raises(ConfigError, match="none goes alone"):
+        parse("--report_to", "none,wandb")
+
+
+def test_a_tracker_that_cannot_start_closes_the_ones_before_it(tmp_path, monkeypatch):
+    """--report_to tensorboard,wandb without wandb: the error names wandb, and TensorBoard's
+    writer, started first, is closed, not left open."""
+    hide(monkeypatch, "wandb")
+    closed = []
+    monkeypatch.setattr(report._TensorBoard, "close", lambda self, failed: closed.append(failed))
+    with pytest.raises(ModuleNotFoundError, match="pip install wandb"):
+        report.Reporter(report.ReportConfig("tensorboard,wandb"), tmp_path, CONFIG)
+    assert closed == [True]
 
 
 @pytest.mark.parametrize(
