@@ -10,7 +10,8 @@ time_to_accuracy   The tiny task (run_gsm8k's tiny preset) from one supervised w
                    seconds of training until greedy accuracy on the 200 held-out sums first
                    reaches 0.80 / 0.85 / 0.90 (the goals compare 0.85, below the plateau of
                    0.88-0.91), for asynchronous TBA and for the synchronous mode of the same
-                   code, seeds interleaved so that drift in the machine hits both. The clock
+                   code (with several searchers, they split a step's P prompts between them),
+                   seeds interleaved so that drift in the machine hits both. The clock
                    starts when the first searcher is ready to generate; weights are snapshotted
                    every second and evaluated after the run, so evaluation costs no training
                    time. Also the mean accuracy per window of 30 s, of 50 steps and of
@@ -284,6 +285,12 @@ def timed_run(
             checkpoint_every=10**6,
             **overrides,
         )
+        if synchronous and "searcher_batch_prompts" not in overrides:
+            # A synchronous step trains exactly the P prompts of one version, so several
+            # searchers split them: each generates its share at once, and nothing generated
+            # goes untrained (whole batches each would leave all but P of them, docs/tiny.md).
+            share = -(-cfg.prompts_per_step // cfg.num_searchers)
+            cfg = dataclasses.replace(cfg, searcher_batch_prompts=share)
         snapshots, rows = [], []
 
         def on_step(trainer, metrics):
@@ -1650,7 +1657,9 @@ def main(argv: list[str] | None = None) -> None:
                 lags=lags,
                 seeds=range(1) if args.quick else range(first_seed, first_seed + args.stale_seeds),
                 steps=4 if args.quick else args.stale_steps,
-                jobs=args.jobs,
+                # quick: its four runs at once, as their start-up (importing the project) is
+                # most of each one's time
+                jobs=4 if args.quick else args.jobs,
                 overrides=overrides,
                 png=Path(args.out).with_name(Path(args.out).stem + "_staleness.png"),
             )
