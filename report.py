@@ -59,15 +59,18 @@ class ReportConfig:
     project: str = knob("tba", "the wandb / trackio project the run goes to")
 
     def __post_init__(self) -> None:
-        names = [name.strip() for name in self.report_to.split(",")]
+        names = self.names()
         for name in names:
             need(name in TRACKERS, f"--report_to {name!r} is not one of {', '.join(TRACKERS)}")
         need("none" not in names or names == ["none"], "--report_to: none goes alone")
 
+    def names(self) -> list[str]:
+        """The comma-separated names of --report_to, as written."""
+        return [name.strip() for name in self.report_to.split(",")]
+
     def trackers(self) -> list[str]:
         """The trackers named, in order, each once; [] for none."""
-        names = [name.strip() for name in self.report_to.split(",")]
-        return [name for name in dict.fromkeys(names) if name != "none"]
+        return [name for name in dict.fromkeys(self.names()) if name != "none"]
 
 
 class MissingPackage(ModuleNotFoundError, RunError):
