@@ -433,10 +433,15 @@ def test_torchrun_with_vllm_engines_trains_on_every_rank(vllm_tied_model_dir, tm
     the searcher's start beside the ranks' process group, and the run ends with status 0, the
     parity probe checked in the searcher and the evaluator. An in-process evaluation engine
     made vLLM build its world group from torchrun's (a collective rank 1 never joined): rank 0
-    hung, and rank 1 failed at --timeout_s naming rank 0."""
+    hung, and rank 1 failed at --timeout_s naming rank 0. --max_lag 0 makes steps 1 and 2 wait
+    for data of versions 1 and 2: without it a loaded machine let the searcher fill the queue
+    with version-0 batches during the first evaluation, all 3 steps trained on them, and the
+    searcher's parity check never ran on trained weights."""
     from test_data_parallel import descendants, living, start_dp_run
 
-    proc = start_dp_run(vllm_tied_model_dir, tmp_path, "--engine", "vllm", "--total_steps", "3")
+    proc = start_dp_run(
+        vllm_tied_model_dir, tmp_path, "--engine", "vllm", "--total_steps", "3", "--max_lag", "0"
+    )
     try:
         proc.wait(timeout=240)
     except subprocess.TimeoutExpired:
