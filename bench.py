@@ -23,7 +23,11 @@ time_to_accuracy   The tiny task (run_gsm8k's tiny preset) from one supervised w
                    wall-clock (with matplotlib installed).
 time_to_accuracy_hard  The same on the harder tiny task (tiny.py: three-digit sums, warm start
                    0.335 on 400 held-out sums, which RL lifts slowly for a thousand steps and
-                   more); levels 0.38 / 0.40 / 0.42, for --budget_hard seconds.
+                   more); levels 0.38 / 0.40 / 0.42, for --budget_hard seconds. With
+                   `--ray HOST:PORT` both sections run their searchers as Ray actors on another
+                   node of that cluster (`python ray_searchers.py` makes one on loopback), so
+                   every published version crosses between nodes (docs/staleness.md, "the
+                   publish interval k").
 engines            vLLM against the transformers engine on this CPU, on a Llama of tens of
                    millions of parameters with 128-token responses: tokens/s and weight-load time.
 publish            a trainer publish plus a searcher's load (another process, shared memory or
@@ -235,6 +239,7 @@ ACCOUNTING_MEAN = {
     "wait_s": "time/wait",
     "publish_s": "time/publish",  # per step: 0 at the steps that do not publish (k > 1)
     "load_s": "time/load",  # a searcher's weight load, per batch
+    "ray_put_s": "time/ray_put",  # --ray: the driver's ray.put of a version, per version put
     "fresh_untrained": "buffer/fresh_untrained",
 }
 ACCOUNTING_LAST = {
@@ -267,10 +272,12 @@ def timed_run(
     budget_s: float,
     overrides: dict,
     task: str = "tiny",
+    parts: Parts | None = None,
 ) -> dict:
     """One run_tba of ``task``'s preset for ``budget_s`` seconds of training; the weights every
     second, then their greedy accuracy on the held-out sums, against seconds, steps and
-    trajectories generated; and the run's ``accounting``."""
+    trajectories generated; and the run's ``accounting``. ``parts``: run_tba's (default: its
+    own; ``ray_parts`` puts the searchers on a Ray cluster)."""
     spec = TASKS[task]
     train, test, _ = spec.examples()
     with tempfile.TemporaryDirectory(prefix="tba_bench_") as out:
@@ -308,7 +315,7 @@ def timed_run(
                 raise _Enough
 
         with contextlib.suppress(_Enough):
-            run_tba(cfg, train, gsm8k_reward, on_step=on_step, show_progress=False)
+            run_tba(cfg, train, gsm8k_reward, parts=parts, on_step=on_step, show_progress=False)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(cfg.trainer_device)
@@ -337,6 +344,19 @@ def timed_run(
         "mop_frac": statistics.fmean(r["async/mop_frac"] for r in rows),
         "accounting": accounting(rows),
     }
+
+
+def ray_parts(address: str) -> Parts | None:
+    """run_tba's parts with the searchers as Ray actors on the cluster at ``address`` (None
+    when empty), each on a node that offers the ``searcher`` resource: ray_searchers.py's
+    loopback cluster offers it on its worker nodes only, so the searchers and the trainer sit
+    on different nodes and every published version crosses between them."""
+    if not address:
+        return None
+    import ray_searchers
+
+    ray_cfg = ray_searchers.RayConfig(ray=address, ray_resources="searcher=1")
+    return ray_searchers.install(Parts(), ray_cfg)
 
 
 def first_time(curve: list[tuple], level: float) -> float | None:
@@ -1560,6 +1580,13 @@ def main(argv: list[str] | None = None) -> None:
         metavar="FIELD=VALUE",
         help="TBAConfig overrides of the tiny preset for every run",
     )
+    parser.add_argument(
+        "--ray",
+        default="",
+        metavar="HOST:PORT",
+        help="time to accuracy: the searchers as Ray actors on this cluster, on nodes offering "
+        "the 'searcher' resource (`python ray_searchers.py` starts one on loopback; docs/ray.md)",
+    )
     args = parser.parse_args(argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -1592,6 +1619,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine_info(),
         "budget_s": budget,
         "overrides": overrides,
+        "ray_address": args.ray,
         "parallel_speedup_start": parallel_speedup(1.0 if args.quick else 3.0),
     }
     with tempfile.TemporaryDirectory(prefix="tba_bench_models_") as root:
@@ -1609,6 +1637,7 @@ def main(argv: list[str] | None = None) -> None:
             where = Path(args.warm_start) if task == "tiny" else Path(args.warm_start) / task
             model_dirs[task] = tiny_warm_start(where, train, val, 0, spec.warm_start, spec.preset)
         model_dir = model_dirs.get("tiny")
+        parts = ray_parts(args.ray)
         stem = Path(args.out).stem
         if "data_parallel" in sections:
             log("data parallel")
@@ -1633,7 +1662,9 @@ def main(argv: list[str] | None = None) -> None:
                     log(f"{section}: {mode}, seed {seed}")
                     model = model_dirs[task]
                     seconds = budget_hard if task == "hard" else budget
-                    runs.append(timed_run(model, synchronous, seed, seconds, overrides, task))
+                    runs.append(
+                        timed_run(model, synchronous, seed, seconds, overrides, task, parts)
+                    )
                     log(
                         f"  to {spec.target}: {runs[-1]['time_to'][str(spec.target)]} s, "
                         f"{runs[-1]['steps_per_s']:.2f} steps/s"

@@ -84,6 +84,19 @@ def test_summarize_staleness_reports_the_second_half_and_the_corrections():
     assert row["median_steps_to"] == 300 and row["steps_to_reached"] == 3
 
 
+def test_ray_puts_the_timed_runs_searchers_on_the_clusters_searcher_nodes():
+    """--ray ADDRESS: run_tba's pool becomes ray_searchers' actors, asking for the 'searcher'
+    resource that ray_searchers.py's loopback cluster offers on its worker nodes only; without
+    it, run_tba's own parts (None)."""
+    import ray_searchers
+
+    assert bench.ray_parts("") is None
+    parts = bench.ray_parts("127.0.0.1:6390")
+    assert parts.pool.func is ray_searchers.RaySearcherPool
+    ray_cfg = parts.pool.keywords["ray_cfg"]
+    assert ray_cfg.ray == "127.0.0.1:6390" and ray_cfg.resources() == {"searcher": 1.0}
+
+
 def test_an_unknown_loss_is_a_usage_error_before_any_run(tmp_path, capsys):
     """--losses is checked before the warm start is trained: exit status 2, one line naming it."""
     out = tmp_path / "bench.json"
