@@ -28,6 +28,12 @@ time_to_accuracy_hard  The same on the harder tiny task (tiny.py: three-digit su
                    node of that cluster (`python ray_searchers.py` makes one on loopback), so
                    every published version crosses between nodes (docs/staleness.md, "the
                    publish interval k").
+staleness          The tiny task trained on data d versions stale in one process, no asynchrony
+                   (--lags, --losses: TB, its trust region and its corrections, GRPO and its):
+                   greedy accuracy every 25 steps, its mean over the second half of the run,
+                   steps to 0.85, collapses, clip and mask shares, rho's quantiles
+                   (docs/staleness.md).
+hard_staleness     The same on the harder tiny task (steps to 0.40).
 engines            vLLM against the transformers engine on this CPU, on a Llama of tens of
                    millions of parameters with 128-token responses: tokens/s and weight-load time.
 publish            a trainer publish plus a searcher's load (another process, shared memory or
@@ -103,7 +109,7 @@ from tiny import (
 )
 from trainer import Parts, Trainer, run_tba
 
-HARD = ("time_to_accuracy_hard",)  # the sections of the harder tiny task
+HARD = ("time_to_accuracy_hard", "hard_staleness")  # the sections of the harder tiny task
 SECTIONS = (
     "time_to_accuracy",
     *HARD,
@@ -479,7 +485,7 @@ def plot(runs: list[dict], path: Path) -> str | None:
             )
     ax.axhline(TASKS[runs[0]["task"]].target, color="grey", ls="--", lw=0.8)
     ax.set_xlabel("seconds of training (evaluation excluded)")
-    ax.set_ylabel("greedy accuracy, 200 held-out sums")
+    ax.set_ylabel("greedy accuracy on the held-out sums")
     ax.legend(loc="lower right")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -491,8 +497,10 @@ def plot(runs: list[dict], path: Path) -> str | None:
 STALE_EVAL_EVERY = 25  # steps between greedy evaluations in the staleness experiment
 STALE_REPORT_STEPS = (100, 200, 300, 400)
 STALE_THRESHOLD = 0.85
+STALE_LEVELS = {"hard": 0.40}  # the level "steps to" counts, by task (STALE_THRESHOLD else)
 COLLAPSE_DROP = 0.2  # a collapse: accuracy falls this far below its best so far
 TB_CLIP_EPS = 0.3  # the tiny presets' tb_clip_eps, what the loss name tb_clip runs
+TB_CLIP_HORIZON = 16.0  # tb_clip_lag's horizon: the lag to which eps 0.3 holds the tiny task
 TB_M2_TAU = 0.09  # tb_m2's tau: rho^2 of whole responses, the trust region's eps squared
 M2PO_TAU = 0.04  # grpo_m2po's tau on tokens, the M2PO paper's
 STEP_KEYS = (
@@ -506,6 +514,7 @@ STALE_FLAGS = {
     "loss": "tb",
     "tb_clip_eps": 0.0,
     "tb_m2_tau": 0.0,
+    "tb_clip_horizon": 0.0,
     "m2_pushed_only": False,
     "grpo_m2po_tau": 0.0,
     "grpo_decoupled": False,
@@ -514,6 +523,10 @@ STALE_FLAGS = {
 STALE_LOSSES = {
     "tb": ({}, None),  # plain TB, the paper's
     "tb_clip": ({"tb_clip_eps": TB_CLIP_EPS}, "tb_clip_eps"),  # the trust region
+    "tb_clip_lag": (  # the trust region widened with the data's age
+        {"tb_clip_eps": TB_CLIP_EPS, "tb_clip_horizon": TB_CLIP_HORIZON},
+        "tb_clip_horizon",
+    ),
     "tb_m2": ({"tb_m2_tau": TB_M2_TAU}, "tb_m2_tau"),  # the second-moment mask
     "tb_m2_pushed": ({"tb_m2_tau": TB_M2_TAU, "m2_pushed_only": True}, "tb_m2_tau"),
     "tb_clip_m2": ({"tb_clip_eps": TB_CLIP_EPS, "tb_m2_tau": TB_M2_TAU}, "tb_m2_tau"),
@@ -529,11 +542,12 @@ STALE_LOSSES = {
 
 def stale_loss(name: str) -> dict:
     """A staleness loss name as its flags (every key of STALE_FLAGS): tb is plain TB (the
-    paper's), tb_clip TB with the tiny presets' trust region, tb_m2 with the second-moment
+    paper's), tb_clip TB with the tiny presets' trust region, tb_clip_lag with it widened with
+    the data's age beyond a horizon of 16 versions (offpolicy.py), tb_m2 with the second-moment
     mask (offpolicy.py), tb_m2_pushed with the mask on the pushed items only, tb_clip_m2 with
     both, grpo the baseline, grpo_m2po M2PO, grpo_m2po_pushed M2PO's final version,
     grpo_decoupled AReaL's decoupled PPO; NAME_VALUE sets NAME's number (tb_clip_0.1: eps 0.1,
-    tb_m2_0.04: tau 0.04, grpo_decoupled_2: the weight cap 2)."""
+    tb_clip_lag_32: the horizon 32, tb_m2_0.04: tau 0.04, grpo_decoupled_2: the weight cap 2)."""
     if name in STALE_LOSSES:
         flags, _ = STALE_LOSSES[name]
         return {**STALE_FLAGS, **flags}
@@ -572,7 +586,8 @@ def staleness_run(
     """Staleness in isolation, one process and no asynchrony: step t trains on a fresh batch
     (P prompts x N responses, the tiny preset's) generated with the trainer's weights of step
     t - lag (the starting weights while t < lag). Returns the score every STALE_EVAL_EVERY
-    steps: on ``task`` gsm8k greedy accuracy on the held-out sums; on tldr (run_tldr's tiny
+    steps: on ``task`` gsm8k greedy accuracy on the held-out sums (hard: those of the harder
+    tiny task, its preset, ``model_dir`` its warm start); on tldr (run_tldr's tiny
     preset, its proxy reward cached beside ``model_dir``) the gold win rate of greedy summaries
     against the references, with their perplexity under the SFT model at the end; and per step
     the off-policy metrics of the update (``trainer.offpolicy_metrics``) and its gradient norm
@@ -585,8 +600,9 @@ def staleness_run(
         preset = run_tldr.TINY_PRESET
         reward_fn = run_tldr.tiny_reward_model(Path(model_dir).parent)[0]
     else:
-        train, test, _ = tiny_task()
-        preset = TINY_PRESET
+        hard = task == "hard"
+        train, test, _ = tiny_task(HARD_DATA if hard else None)
+        preset = HARD_PRESET if hard else TINY_PRESET
         reward_fn = gsm8k_reward
     with tempfile.TemporaryDirectory(prefix="tba_stale_") as out:
         cfg, eval_cfg = tiny_configs(
@@ -687,9 +703,10 @@ STALE_MEANS = {  # summary key: the run's mean over steps (the first key a run h
 def summarize_staleness(runs: list[dict]) -> dict:
     """Per loss and lag: accuracy at fixed steps, its mean over the second half of the run
     (the evaluations at steps >= steps / 2: 200-400 of 400), the first evaluated step at or
-    above STALE_THRESHOLD, collapses (a fall of more than COLLAPSE_DROP below the best so far),
-    and the means over steps of STALE_MEANS (the share of items, or GRPO's tokens, clipped or
-    masked; rho = log pi - log pi_b of whole responses), per seed and as medians over seeds."""
+    above STALE_THRESHOLD (STALE_LEVELS for the runs' task), collapses (a fall of more than
+    COLLAPSE_DROP below the best so far), and the means over steps of STALE_MEANS (the share
+    of items, or GRPO's tokens, clipped or masked; rho = log pi - log pi_b of whole
+    responses), per seed and as medians over seeds."""
     out: dict = {}
     for run in runs:
         accuracy = dict(run["curve"])
@@ -698,7 +715,8 @@ def summarize_staleness(runs: list[dict]) -> dict:
         for _, acc in run["curve"]:
             best = max(best, acc)
             worst_drop = max(worst_drop, best - acc)
-        reached = [step for step, acc in run["curve"] if acc >= STALE_THRESHOLD]
+        level = STALE_LEVELS.get(run.get("task"), STALE_THRESHOLD)
+        reached = [step for step, acc in run["curve"] if acc >= level]
         last = run["curve"][-1][0]
         second_half = [acc for step, acc in run["curve"] if step >= last / 2]
         means = run.get("offpolicy", {})
@@ -769,7 +787,8 @@ def plot_staleness(runs: list[dict], path: Path) -> str | None:
         ax.set_xlabel("trainer step")
         ax.set_ylabel("greedy accuracy, 200 held-out sums")
         ax.set_ylim(0, 1)
-        ax.axhline(STALE_THRESHOLD, color="grey", ls="--", lw=0.8)
+        level = STALE_LEVELS.get(runs[0].get("task"), STALE_THRESHOLD)
+        ax.axhline(level, color="grey", ls="--", lw=0.8)
         ax.legend(loc="lower right", fontsize=8)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -1479,7 +1498,8 @@ def print_time_to_accuracy(res: dict, section: str, plot_path: str | None) -> No
 def print_staleness(stale: dict) -> None:
     print(
         f"\nstaleness (greedy accuracy, median over seeds; 2nd half: the mean of the evaluations "
-        f"of the run's second half; steps to {STALE_THRESHOLD}; collapses = runs falling > "
+        f"of the run's second half; steps to {STALE_THRESHOLD} (hard: {STALE_LEVELS['hard']}); "
+        f"collapses = runs falling > "
         f"{COLLAPSE_DROP} below their best; clipped / masked: share of items (GRPO: tokens) a "
         "step clipped or masked; rho = log pi - log pi_b of whole responses, 10/50/90%; means "
         "over steps)"
@@ -1695,6 +1715,21 @@ def main(argv: list[str] | None = None) -> None:
                 png=Path(args.out).with_name(Path(args.out).stem + "_staleness.png"),
             )
             print_staleness(res["staleness"])
+        if "hard_staleness" in sections:
+            res["hard_staleness"] = bench_staleness(
+                model_dirs["hard"],
+                losses=args.losses.split(","),
+                lags=[0, 2] if args.quick else [int(d) for d in args.lags.split(",")],
+                seeds=range(1)
+                if args.quick
+                else range(args.stale_first_seed, args.stale_first_seed + args.stale_seeds),
+                steps=4 if args.quick else args.stale_steps,
+                jobs=4 if args.quick else args.jobs,
+                overrides=overrides,
+                png=Path(args.out).with_name(Path(args.out).stem + "_hard_staleness.png"),
+                task="hard",
+            )
+            print_staleness(res["hard_staleness"])
         if "tldr_staleness" in sections:
             tldr_dir = Path(args.warm_start_tldr)
             first_seed = args.stale_first_seed

@@ -76,7 +76,7 @@ def parse(args: argparse.Namespace, base: dict, *task_configs: type) -> Configs:
     """The configs of ``args`` over the preset ``base``; a bad value is a ConfigError."""
     tba, *rest = configs_from_args(args, base, TBAConfig, *EXTENSION_CONFIGS, *task_configs)
     grpo_cfg, offpolicy_cfg, checks_cfg, dp_cfg, ray_cfg, report_cfg, *task = rest
-    offpolicy.check(offpolicy_cfg, grpo_cfg.loss)  # before any model loads
+    offpolicy.check(offpolicy_cfg, grpo_cfg.loss, tba.tb_clip_eps)  # before any model loads
     return Configs(tba, grpo_cfg, offpolicy_cfg, checks_cfg, dp_cfg, ray_cfg, report_cfg, task)
 
 

@@ -9,6 +9,9 @@ trust region (``tba.tb_loss``'s ``clip_eps``). This file adds, beside it:
   (log pi - log pi_b)^2 until the mean over the rest is at most tau. For TB on whole items
   (``--tb_m2_tau``: ``tb_m2_dropped``), for GRPO on tokens (``--grpo_m2po_tau``: ``m2po_loss``,
   M2PO's objective, the masked ratio without PPO's clip).
+* **The trust region widened with the data's age** (``--tb_clip_horizon``: ``lag_clip_eps``):
+  an item lag versions behind the step's weights gets eps sqrt(max(1, lag / horizon)) in place
+  of the core's one eps, so data older than the horizon keeps teaching.
 * **AReaL's decoupled PPO objective** for GRPO (Fu et al. 2025, arXiv 2505.24298, Eq. 5;
   ``--grpo_decoupled``: ``decoupled_ppo_loss``): the clipped ratio to a proximal policy, times
   the importance weight of the proximal policy to the behaviour policy.
@@ -45,6 +48,13 @@ class OffPolicyConfig:
         "- log pi_b of the whole response) until the batch's mean rho^2 over the rest is <= tau; "
         "the optimum does not move. 0: off (M2PO's token-level value is 0.04)",
     )
+    tb_clip_horizon: float = knob(
+        0.0,
+        "TB trust region widened with the data's age: an item lag versions behind the weights "
+        "the step starts from gets eps * sqrt(max(1, lag / horizon)), eps = --tb_clip_eps (which "
+        "it needs); up to the horizon the core's region exactly. 0: off (tiny task: 16, the lag "
+        "to which eps 0.3 holds; docs/staleness.md)",
+    )
     grpo_m2po_tau: float = knob(
         0.0,
         "GRPO as M2PO (arXiv 2510.01161): mask the tokens with the largest (log pi - log pi_b)^2 "
@@ -70,6 +80,10 @@ class OffPolicyConfig:
 
     def __post_init__(self) -> None:
         need(self.tb_m2_tau >= 0, f"--tb_m2_tau must be >= 0 (0: off), got {self.tb_m2_tau}")
+        need(
+            self.tb_clip_horizon >= 0,
+            f"--tb_clip_horizon must be >= 0 (0: off), got {self.tb_clip_horizon}",
+        )
         need(
             self.grpo_m2po_tau >= 0,
             f"--grpo_m2po_tau must be >= 0 (0: off), got {self.grpo_m2po_tau}",
@@ -98,8 +112,8 @@ def install(parts: Parts, cfg: OffPolicyConfig) -> Parts:
     check(cfg, "grpo" if issubclass(parts.trainer, GRPOTrainer) else "tb")
     if cfg.grpo_on():
         base = OffPolicyGRPOTrainer
-    elif cfg.tb_m2_tau > 0:
-        base = M2Trainer
+    elif cfg.tb_m2_tau > 0 or cfg.tb_clip_horizon > 0:
+        base = MaskedTBTrainer
     else:
         return parts
     trainer = type(f"{base.__name__}{parts.trainer.__name__}", (base, parts.trainer), {})
@@ -107,8 +121,9 @@ def install(parts: Parts, cfg: OffPolicyConfig) -> Parts:
     return dataclasses.replace(parts, trainer=trainer)
 
 
-def check(cfg: OffPolicyConfig, loss: str) -> None:
-    """A ConfigError where ``cfg``'s corrections do not fit ``--loss``."""
+def check(cfg: OffPolicyConfig, loss: str, tb_clip_eps: float | None = None) -> None:
+    """A ConfigError where ``cfg``'s corrections do not fit ``--loss`` and ``--tb_clip_eps``
+    (None: not known here; ``install`` passes none, the trainer checks it when built)."""
     need(
         not cfg.grpo_on() or loss == "grpo",
         "--grpo_m2po_tau and --grpo_decoupled need --loss grpo",
@@ -116,6 +131,10 @@ def check(cfg: OffPolicyConfig, loss: str) -> None:
     need(
         cfg.tb_m2_tau == 0 or loss == "tb",
         "--tb_m2_tau is TB's mask; with --loss grpo use --grpo_m2po_tau",
+    )
+    need(
+        cfg.tb_clip_horizon == 0 or (loss == "tb" and (tb_clip_eps is None or tb_clip_eps > 0)),
+        "--tb_clip_horizon widens TB's trust region: it needs --loss tb and --tb_clip_eps > 0",
     )
 
 
@@ -190,6 +209,30 @@ def tb_m2_dropped(
     if pushed_only:
         candidates = tb_clipped(logp, ref_logp, reward, beta, behaviour_logp, 0.0)
     return ~second_moment_keep(rho, tau, candidates)
+
+
+def lag_clip_eps(clip_eps: float, lags: torch.Tensor, horizon: float) -> torch.Tensor:
+    """TB's trust region widened with the data's age: the radius of each item, for
+    ``tba.tb_clipped`` in place of its one ``clip_eps`` (a tensor of ``lags``'s shape, fp64).
+    ``lags`` holds how many versions each item's sampler is behind the weights the step starts
+    from (0: on-policy); ``horizon`` > 0, in versions.
+
+        eps_ij = clip_eps * sqrt(max(1, lag_ij / horizon))
+
+    Why: the region is the sampler's, and a sampler lag versions behind sits further from the
+    policy than the last step moved it. If the steps moved an item's log-prob by independent
+    amounts, the policy's distance from its sampler would grow like sqrt(lag) (a random walk);
+    with one eps, data much older than that soon lies past eps in the direction it pushes and
+    stops teaching, as data from a fixed sampler does (tba.tb_loss; 38% of the items at lag 256,
+    eps 0.3, on the tiny task: docs/staleness.md). Up to the horizon it is the core's region
+    exactly, so searchers a few versions behind see no change, and only gradient changes: the
+    loss's values and zero are the plain ones, and on-policy (rho = 0) nothing is clipped.
+    """
+    if horizon <= 0:
+        raise ValueError(f"lag_clip_eps: horizon must be > 0, got {horizon}")
+    if (lags < 0).any():
+        raise ValueError(f"lag_clip_eps: lags must be >= 0, got {lags.min().item()}")
+    return clip_eps * (lags.double() / horizon).clamp(min=1.0).sqrt()
 
 
 def m2po_loss(
@@ -302,20 +345,28 @@ def decoupled_weights(
 # ----------------------------------------------------------------------------- the trainers
 
 
-class M2Trainer(Trainer):
-    """TB with the second-moment mask (beside the core's trust region, when that is on too: an
-    item gives no gradient if either drops it). ``install`` sets ``offpolicy``, the config."""
+class MaskedTBTrainer(Trainer):
+    """TB with the second-moment mask, the widened trust region, or both (an item gives no
+    gradient if either drops it; with the mask alone, the core's trust region when that is on).
+    ``install`` sets ``offpolicy``, the config."""
 
     offpolicy: OffPolicyConfig = OffPolicyConfig()
 
+    def __init__(self, cfg, device, pad_id, eos_id):
+        check(self.offpolicy, "tb", cfg.tb_clip_eps)
+        super().__init__(cfg, device, pad_id, eos_id)
+
     def backward(self, groups: list[list[Trajectory]], beta: float) -> dict[str, float]:
-        """4. The core's TB backward, with the mask over the step's whole batch: its rho is
-        needed before any pass's gradient, so with more than one pass a pass without gradient
-        scores them all first (under data_parallel, the batch is this rank's share)."""
-        cfg, tau = self.cfg, self.offpolicy.tb_m2_tau
+        """4. The core's TB backward, with the masks over the step's whole batch: the second
+        moment's needs every item's rho before any pass's gradient, so with more than one pass
+        a pass without gradient scores them all first (under data_parallel, the batch is this
+        rank's share)."""
+        cfg, off = self.cfg, self.offpolicy
         items = sum(len(g) for g in groups)
         if any(t.behaviour_logprob is None for g in groups for t in g):
-            raise ValueError("--tb_m2_tau: a trajectory has no behaviour log-prob")
+            raise ValueError(
+                "--tb_m2_tau, --tb_clip_horizon: a trajectory has no behaviour log-prob"
+            )
         passes = list(self.micro_batches(groups))
         data = [self.item_tensors(chunk) for chunk in passes]
         first = None
@@ -327,38 +378,44 @@ class M2Trainer(Trainer):
                 logps = [self.score(chunk) for chunk in passes]
         ref, reward, behaviour = (torch.cat(column) for column in zip(*data, strict=True))
         logp_all = torch.cat(logps)
-        dropped = tb_m2_dropped(
-            logp_all, ref, reward, beta, behaviour, tau, self.offpolicy.m2_pushed_only
-        )
         rho = logp_all.double() - behaviour
-        sums = dict.fromkeys(("loss", "log_z", "logp", "clipped", "either"), 0.0)
+        dropped = torch.zeros_like(rho, dtype=torch.bool)  # by the second-moment mask
+        if off.tb_m2_tau > 0:
+            dropped = tb_m2_dropped(
+                logp_all, ref, reward, beta, behaviour, off.tb_m2_tau, off.m2_pushed_only
+            )
+        clipped = torch.zeros_like(dropped)  # by the trust region, the core's or the widened
+        eps = torch.full_like(rho, cfg.tb_clip_eps)
+        if off.tb_clip_horizon > 0:
+            lags = [[self.step - t.version for t in g] for g in groups]
+            eps = lag_clip_eps(cfg.tb_clip_eps, torch.tensor(lags), off.tb_clip_horizon)
+        if cfg.tb_clip_eps > 0:
+            clipped = tb_clipped(logp_all, ref, reward, beta, behaviour, eps.to(rho.device))
+        sums = dict.fromkeys(("loss", "log_z", "logp"), 0.0)
         row = 0
-        for chunk, (ref, reward, behaviour) in zip(passes, data, strict=True):
+        for chunk, (ref, reward, _) in zip(passes, data, strict=True):
             logp = first if first is not None else self.score(chunk)
-            drop = dropped[row : row + len(chunk)]
+            no_grad = (dropped | clipped)[row : row + len(chunk)]
             row += len(chunk)
-            kept = torch.where(drop, logp.detach(), logp)
-            loss = tb_loss(kept, ref, reward, beta, behaviour, cfg.tb_clip_eps)
+            # The clip is in no_grad, so tb_loss runs without its own: the same gradient.
+            loss = tb_loss(torch.where(no_grad, logp.detach(), logp), ref, reward, beta)
             loss = loss * (len(chunk) / len(groups))
             loss.backward()
             sums["loss"] += loss.item()
             sums["log_z"] += tb_log_z(logp, ref, reward, beta).sum().item()
             sums["logp"] += logp.detach().sum().item()
-            clipped = torch.zeros_like(drop)
-            if cfg.tb_clip_eps > 0:
-                clipped = tb_clipped(logp, ref, reward, beta, behaviour, cfg.tb_clip_eps)
-            sums["clipped"] += int(clipped.sum())
-            sums["either"] += int((clipped | drop).sum())
         metrics = {
             "loss/tb": sums["loss"],
             "loss/logz_mean": sums["log_z"] / len(groups),
             "policy/logp_mean": sums["logp"] / items,
-            **offpolicy_metrics(rho, int(sums["clipped"]), items),
-            # the mask's share of the batch's items, and the batch's mean rho^2 before it
-            "offpolicy/m2_mask_frac": int(dropped.sum()) / items,
-            "offpolicy/m2": rho.pow(2).sum().item() / items,
-            "offpolicy/no_grad_frac": sums["either"] / items,  # the mask's or the clip's
+            **offpolicy_metrics(rho, int(clipped.sum()), items),
+            "offpolicy/no_grad_frac": int((dropped | clipped).sum()) / items,  # either's
         }
+        if off.tb_m2_tau > 0:  # the mask's share of the batch's items, and the mean rho^2 before it
+            metrics["offpolicy/m2_mask_frac"] = int(dropped.sum()) / items
+            metrics["offpolicy/m2"] = rho.pow(2).sum().item() / items
+        if off.tb_clip_horizon > 0:  # the radius, over the items
+            metrics["offpolicy/clip_eps_mean"] = eps.sum().item() / items
         return metrics
 
     def item_tensors(self, chunk: list[list[Trajectory]]) -> tuple[torch.Tensor, ...]:

@@ -31,6 +31,8 @@ def test_stale_loss_names():
     assert bench.stale_loss("tb_m2_0.04") == flags(tb_m2_tau=0.04)
     assert bench.stale_loss("tb_m2_pushed") == flags(tb_m2_tau=bench.TB_M2_TAU, m2_pushed_only=True)
     assert bench.stale_loss("tb_clip_m2_0.2") == flags(tb_clip_eps=0.3, tb_m2_tau=0.2)
+    assert bench.stale_loss("tb_clip_lag") == flags(tb_clip_eps=0.3, tb_clip_horizon=16.0)
+    assert bench.stale_loss("tb_clip_lag_4") == flags(tb_clip_eps=0.3, tb_clip_horizon=4.0)
     assert bench.stale_loss("grpo_m2po") == flags(loss="grpo", grpo_m2po_tau=0.04)
     assert bench.stale_loss("grpo_decoupled_2") == flags(
         loss="grpo", grpo_decoupled=True, grpo_is_cap=2.0

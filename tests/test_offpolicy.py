@@ -5,6 +5,7 @@ data 256 versions old."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 
@@ -17,6 +18,7 @@ from buffer import Trajectory
 from offpolicy import (
     OffPolicyConfig,
     decoupled_ppo_loss,
+    lag_clip_eps,
     m2po_loss,
     second_moment_keep,
     tb_m2_dropped,
@@ -25,7 +27,7 @@ from tba import ConfigError, group_token_logprobs, tb_clipped, tb_loss
 from test_grpo import random_grpo_batch
 from test_tba import tabular_tb_run
 from tiny import cpu_config
-from trainer import Parts
+from trainer import Parts, Trainer
 
 
 def slow_keep(values: list[float], candidates: list[bool], tau: float) -> list[bool]:
@@ -200,26 +202,53 @@ def test_decoupled_with_the_step_start_as_proximal_is_weighted_policy_gradient()
     torch.testing.assert_close(grad, want)
 
 
-@pytest.mark.parametrize("correction", [dict(tau=0.1), dict(clip_eps=0.3)])
+@pytest.mark.parametrize(
+    "correction", [dict(tau=0.1), dict(clip_eps=0.3), dict(clip_eps=0.3, horizon=16.0)]
+)
 def test_tb_reaches_the_target_from_data_256_versions_old(correction):
     """Data 256 versions old (for the first 256 steps, the uniform first policy's): with the
-    second-moment mask on the pushed items, or with the trust region, the policy reaches
-    p_ref exp(r/beta)/Z -- neither moves TB's fixed point, and the sampler follows the policy."""
+    second-moment mask on the pushed items, with the trust region, or with the trust region
+    widened with the data's age, the policy reaches p_ref exp(r/beta)/Z -- none moves TB's fixed
+    point, and the sampler follows the policy."""
     tau = correction.get("tau", 0.0)
+    clip_eps = correction.get("clip_eps", 0.0)
+    horizon = correction.get("horizon", 0.0)
 
     def pushed_mask(logp, ref_logp, reward, beta, behaviour_logp):
         return tb_m2_dropped(logp, ref_logp, reward, beta, behaviour_logp, tau, True)
 
+    step = itertools.count()
+
+    def widened(logp, ref_logp, reward, beta, behaviour_logp):
+        # tabular_tb_run's sampler at step t is the policy of step max(0, t - 256)
+        lags = torch.full(logp.shape, min(next(step), 256))
+        eps = lag_clip_eps(clip_eps, lags, horizon)
+        return tb_clipped(logp, ref_logp, reward, beta, behaviour_logp, eps)
+
+    drop = pushed_mask if tau else widened if horizon else None
     torch.set_num_threads(1)
-    tv, _ = tabular_tb_run(
-        correction.get("clip_eps", 0.0), lag=256, steps=1100, drop=pushed_mask if tau else None
-    )
+    tv, _ = tabular_tb_run(0.0 if horizon else clip_eps, lag=256, steps=1100, drop=drop)
     assert tv < 1e-3, f"total variation {tv:.5f} from the target ({correction})"
+
+
+@pytest.mark.parametrize("horizon", [1.0, 4.0, 16.0])
+def test_lag_clip_eps_matches_slow_loop(horizon):
+    lags = torch.tensor([[0, 1, 3], [4, 16, 17], [64, 256, 1000]])
+    got = lag_clip_eps(0.3, lags, horizon)
+    assert got.dtype == torch.float64
+    for i, j in itertools.product(range(3), range(3)):
+        lag = int(lags[i, j])
+        want = 0.3 if lag <= horizon else 0.3 * math.sqrt(lag / horizon)
+        assert got[i, j].item() == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError):
+        lag_clip_eps(0.3, lags, 0.0)
+    with pytest.raises(ValueError):
+        lag_clip_eps(0.3, -lags - 1, horizon)
 
 
 def test_install_and_config_errors():
     tb = offpolicy.install(Parts(), OffPolicyConfig(tb_m2_tau=0.1))
-    assert issubclass(tb.trainer, offpolicy.M2Trainer)
+    assert issubclass(tb.trainer, offpolicy.MaskedTBTrainer)
     assert tb.trainer.offpolicy.tb_m2_tau == 0.1
     assert offpolicy.install(Parts(), OffPolicyConfig()) == Parts()
     grpo_parts = grpo.install(Parts(), grpo.GRPOConfig(loss="grpo"))
@@ -236,9 +265,18 @@ def test_install_and_config_errors():
         dict(grpo_is_cap=0.5),
         dict(grpo_decoupled=True, grpo_m2po_tau=0.04),
         dict(m2_pushed_only=True),
+        dict(tb_clip_horizon=-1.0),
     ):
         with pytest.raises(ConfigError):
             OffPolicyConfig(**bad)
+    widened = OffPolicyConfig(tb_clip_horizon=16.0)
+    assert issubclass(offpolicy.install(Parts(), widened).trainer, offpolicy.MaskedTBTrainer)
+    offpolicy.check(widened, "tb", 0.3)
+    for loss, eps in (("tb", 0.0), ("grpo", 0.3)):
+        with pytest.raises(ConfigError):
+            offpolicy.check(widened, loss, eps)
+    with pytest.raises(ConfigError):
+        offpolicy.install(grpo_parts, widened)
 
 
 def stale_groups(model, gen_seed: int = 1) -> tuple:
@@ -350,3 +388,56 @@ def test_trainers_masks_are_over_the_whole_batch_whatever_the_passes(tiny_model_
                 assert metrics[f"grpo/{key}"] == pytest.approx(base[key].item(), rel=1e-5)
         masked = metrics.get("offpolicy/m2_mask_frac", metrics.get("offpolicy/is_cap_frac"))
         assert 0 < masked < 1
+
+
+def test_widened_trust_region_trainer_is_the_pure_functions_and_the_core_up_to_the_horizon(
+    tiny_model_dir,
+):
+    """--tb_clip_horizon: the trainer's gradient in passes of 1, 2 or all 4 groups is tb_loss's
+    with the items ``tb_clipped`` at ``lag_clip_eps``'s radii give no gradient; up to the
+    horizon it is the core trainer's (its trust region at --tb_clip_eps), beyond it fewer items
+    are clipped; and it needs --tb_clip_eps."""
+    values = dict(num_generations=3, responses_per_prompt=3, prompts_per_step=4, tb_clip_eps=0.1)
+    config = cpu_config(tiny_model_dir, **values)
+    parts = offpolicy.install(Parts(), OffPolicyConfig(tb_clip_horizon=2.0))
+    trainer = parts.trainer(config, torch.device("cpu"), pad_id=0, eos_id=1)
+    core = Trainer(config, torch.device("cpu"), pad_id=0, eos_id=1)
+    core.model.load_state_dict(trainer.model.state_dict())
+    groups, logp, mask = stale_groups(trainer.model)  # every item of version 0
+    seq = (logp * mask).sum(1).view(4, 3)
+    seq_ref = torch.tensor([[t.ref_logprob for t in g] for g in groups])
+    seq_old = torch.tensor([[t.behaviour_logprob for t in g] for g in groups], dtype=torch.float64)
+    reward = torch.tensor([[t.reward for t in g] for g in groups])
+    beta = 0.05
+    clip_fracs = {}
+    for step in (1, 2, 8, 50):  # the items' lag
+        trainer.step = core.step = step
+        eps = lag_clip_eps(0.1, torch.full((4, 3), step), 2.0)
+        clipped = tb_clipped(seq, seq_ref, reward, beta, seq_old, eps)
+        want_loss = tb_loss(torch.where(clipped, seq.detach(), seq), seq_ref, reward, beta)
+        want_grads = torch.autograd.grad(
+            want_loss, list(trainer.model.parameters()), retain_graph=True
+        )
+        for size in (3, 7, 0):
+            trainer.cfg = dataclasses.replace(trainer.cfg, micro_batch_size=size)
+            trainer.model.zero_grad(set_to_none=True)
+            metrics = trainer.backward(groups, beta)
+            assert metrics["loss/tb"] == pytest.approx(want_loss.item(), rel=1e-4)
+            for want, p in zip(want_grads, trainer.model.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, want, rtol=1e-3, atol=1e-5)
+        assert metrics["offpolicy/clip_frac"] == clipped.double().mean().item()
+        assert metrics["offpolicy/clip_eps_mean"] == pytest.approx(eps.mean().item())
+        clip_fracs[step] = metrics["offpolicy/clip_frac"]
+        if step <= 2:
+            core.model.zero_grad(set_to_none=True)
+            core_metrics = core.backward(groups, beta)
+            assert core_metrics["offpolicy/clip_frac"] == clip_fracs[step]
+            for mine, theirs in zip(
+                trainer.model.parameters(), core.model.parameters(), strict=True
+            ):
+                torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-6)
+    assert clip_fracs[1] == clip_fracs[2] > clip_fracs[8] > clip_fracs[50]
+    with pytest.raises(ConfigError):
+        parts.trainer(
+            dataclasses.replace(config, tb_clip_eps=0.0), torch.device("cpu"), pad_id=0, eos_id=1
+        )
