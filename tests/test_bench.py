@@ -86,6 +86,23 @@ def test_summarize_staleness_reports_the_second_half_and_the_corrections():
     assert row["median_steps_to"] == 300 and row["steps_to_reached"] == 3
 
 
+def test_hard_staleness_trains_on_the_harder_task_and_counts_its_level(tmp_path, monkeypatch):
+    """hard_staleness: the runs take the harder task's sums and preset (a lag-2 run of the
+    widened trust region, three steps from an untrained model); "steps to" counts 0.40 there."""
+    asked = []
+    real = bench.tiny_task
+    monkeypatch.setattr(bench, "tiny_task", lambda data=None: asked.append(data) or real(data))
+    model = bench.save_tiny_model(tmp_path / "model")
+    run = bench.staleness_run(model, "tb_clip_lag", 2, 0, 3, {}, task="hard")
+    assert asked == [bench.HARD_DATA]
+    assert run["task"] == "hard" and run["generated_by"] == [0, 0, 0]
+    assert [step for step, _ in run["curve"]] == [0, 3]
+    assert run["offpolicy"]["offpolicy/clip_eps_mean"] == pytest.approx(0.3)  # lags <= 16
+    curve = [(0, 0.33), (100, 0.41), (200, 0.39)]
+    summary = bench.summarize_staleness([dict(run, curve=curve)])
+    assert summary["tb_clip_lag"]["2"]["median_steps_to"] == 100
+
+
 def test_ray_puts_the_timed_runs_searchers_on_the_clusters_searcher_nodes():
     """--ray ADDRESS: run_tba's pool becomes ray_searchers' actors, asking for the 'searcher'
     resource that ray_searchers.py's loopback cluster offers on its worker nodes only; without
