@@ -123,7 +123,7 @@ def test_an_unknown_loss_is_a_usage_error_before_any_run(tmp_path, capsys):
     argv += ["--warm_start", str(tmp_path / "never")]
     assert run_cli(bench.main, argv) == 2
     err = capsys.readouterr().err
-    assert "error: --losses: 'nope' is not one of tb, tb_clip, tb_m2" in err
+    assert "error: --losses: 'nope' is not one of tb, tb_clip, tb_clip_lag, tb_m2" in err
     assert "Traceback" not in err
     assert not out.exists() and not (tmp_path / "never").exists()
 
