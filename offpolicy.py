@@ -388,9 +388,10 @@ class MaskedTBTrainer(Trainer):
         eps = torch.full_like(rho, cfg.tb_clip_eps)
         if off.tb_clip_horizon > 0:
             lags = [[self.step - t.version for t in g] for g in groups]
-            eps = lag_clip_eps(cfg.tb_clip_eps, torch.tensor(lags), off.tb_clip_horizon)
+            lags = torch.tensor(lags, device=rho.device)
+            eps = lag_clip_eps(cfg.tb_clip_eps, lags, off.tb_clip_horizon)
         if cfg.tb_clip_eps > 0:
-            clipped = tb_clipped(logp_all, ref, reward, beta, behaviour, eps.to(rho.device))
+            clipped = tb_clipped(logp_all, ref, reward, beta, behaviour, eps)
         sums = dict.fromkeys(("loss", "log_z", "logp"), 0.0)
         row = 0
         for chunk, (ref, reward, _) in zip(passes, data, strict=True):
