@@ -1699,11 +1699,16 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 res["parallel_speedup_end"] = parallel_speedup(3.0)
             print_time_to_accuracy(res, section, res[f"plot{suffix}"])
-        if "staleness" in sections:
+        for section, task, stale_model in (
+            ("staleness", "gsm8k", model_dir),
+            ("hard_staleness", "hard", model_dirs.get("hard")),
+        ):
+            if section not in sections:
+                continue
             lags = [0, 2] if args.quick else [int(d) for d in args.lags.split(",")]
             first_seed = args.stale_first_seed
-            res["staleness"] = bench_staleness(
-                model_dir,
+            res[section] = bench_staleness(
+                stale_model,
                 losses=args.losses.split(","),
                 lags=lags,
                 seeds=range(1) if args.quick else range(first_seed, first_seed + args.stale_seeds),
@@ -1712,24 +1717,10 @@ def main(argv: list[str] | None = None) -> None:
                 # most of each one's time
                 jobs=4 if args.quick else args.jobs,
                 overrides=overrides,
-                png=Path(args.out).with_name(Path(args.out).stem + "_staleness.png"),
+                png=Path(args.out).with_name(f"{Path(args.out).stem}_{section}.png"),
+                task=task,
             )
-            print_staleness(res["staleness"])
-        if "hard_staleness" in sections:
-            res["hard_staleness"] = bench_staleness(
-                model_dirs["hard"],
-                losses=args.losses.split(","),
-                lags=[0, 2] if args.quick else [int(d) for d in args.lags.split(",")],
-                seeds=range(1)
-                if args.quick
-                else range(args.stale_first_seed, args.stale_first_seed + args.stale_seeds),
-                steps=4 if args.quick else args.stale_steps,
-                jobs=4 if args.quick else args.jobs,
-                overrides=overrides,
-                png=Path(args.out).with_name(Path(args.out).stem + "_hard_staleness.png"),
-                task="hard",
-            )
-            print_staleness(res["hard_staleness"])
+            print_staleness(res[section])
         if "tldr_staleness" in sections:
             tldr_dir = Path(args.warm_start_tldr)
             first_seed = args.stale_first_seed
