@@ -700,6 +700,11 @@ STALE_MEANS = {  # summary key: the run's mean over steps (the first key a run h
 }
 
 
+def stale_level(task: str | None) -> float:
+    """The accuracy "steps to" counts on ``task``: STALE_LEVELS's, else STALE_THRESHOLD."""
+    return STALE_LEVELS.get(task, STALE_THRESHOLD)
+
+
 def summarize_staleness(runs: list[dict]) -> dict:
     """Per loss and lag: accuracy at fixed steps, its mean over the second half of the run
     (the evaluations at steps >= steps / 2: 200-400 of 400), the first evaluated step at or
@@ -715,8 +720,7 @@ def summarize_staleness(runs: list[dict]) -> dict:
         for _, acc in run["curve"]:
             best = max(best, acc)
             worst_drop = max(worst_drop, best - acc)
-        level = STALE_LEVELS.get(run.get("task"), STALE_THRESHOLD)
-        reached = [step for step, acc in run["curve"] if acc >= level]
+        reached = [step for step, acc in run["curve"] if acc >= stale_level(run.get("task"))]
         last = run["curve"][-1][0]
         second_half = [acc for step, acc in run["curve"] if step >= last / 2]
         means = run.get("offpolicy", {})
@@ -785,10 +789,9 @@ def plot_staleness(runs: list[dict], path: Path) -> str | None:
             ax.plot(steps, median, color=color, lw=2, label=f"d = {lag}")
         ax.set_title(f"{loss.upper()}: data generated d versions behind")
         ax.set_xlabel("trainer step")
-        ax.set_ylabel("greedy accuracy, 200 held-out sums")
+        ax.set_ylabel("greedy accuracy on the held-out sums")
         ax.set_ylim(0, 1)
-        level = STALE_LEVELS.get(runs[0].get("task"), STALE_THRESHOLD)
-        ax.axhline(level, color="grey", ls="--", lw=0.8)
+        ax.axhline(stale_level(runs[0].get("task")), color="grey", ls="--", lw=0.8)
         ax.legend(loc="lower right", fontsize=8)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
