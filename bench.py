@@ -89,10 +89,11 @@ import offpolicy
 import run_tldr
 from buffer import Trajectory
 from cli import run_cli
+from engines import HFEngine, VLLMEngine, WeightStore, pad_token_id
 from evaluate import EvalHFEngine, Evaluator, to_examples
 from rewards import gsm8k_reward
-from searcher import HFEngine, SearcherSetup, VLLMEngine
-from tba import ConfigError, TBAConfig, WeightStore, pad_token_id
+from searcher import SearcherSetup
+from tba import ConfigError, TBAConfig
 from tiny import (
     HARD_DATA,
     HARD_PRESET,
@@ -590,7 +591,7 @@ def staleness_run(
     tiny task, its preset, ``model_dir`` its warm start); on tldr (run_tldr's tiny
     preset, its proxy reward cached beside ``model_dir``) the gold win rate of greedy summaries
     against the references, with their perplexity under the SFT model at the end; and per step
-    the off-policy metrics of the update (``trainer.offpolicy_metrics``) and its gradient norm
+    the off-policy metrics of the update (``tba.offpolicy_metrics``) and its gradient norm
     (``steps``), with their means (``offpolicy``)."""
     torch.set_num_threads(1)
     flags = stale_loss(loss)

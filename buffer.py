@@ -1,21 +1,9 @@
-"""Replay buffer for TBA, grouped by prompt, with most-on-policy sampling.
+"""Replay buffer for TBA, grouped by prompt, with most-on-policy sampling (steps 2-3 of tba.py's
+algorithm).
 
 This file imports nothing from the project (standard library only), so it can be copied out alone.
 
-* Items are grouped by prompt; each group keeps at most ``capacity`` trajectories, oldest evicted.
-* Exact-token deduplication: a response already in the group is replaced by the new copy (the
-  newest reward, log-probs and version win), as in the official TBA buffer.
-* Compact storage (``StoredTrajectory``): token ids packed as int32 bytes, per-token log-probs
-  (when an extension records them) as float64 bytes (exact), one prompt-token record per
-  prompt: a 128-token response holds 0.7 KB, not 5 KB of Python int lists (``bench.py
-  --sections intake``), and bytes objects are not traversed by the garbage collector.
-  Deduplication looks the packed response up in a dict per
-  prompt (no pass over the group, no tuple per stored item) and an insert appends or bisects by
-  version, so an ``add`` costs about the same with 20 or 100 items per prompt. ``sample``
-  returns ordinary ``Trajectory`` records with lists; the layout changes no draw (a test pins
-  the draws against a list layout).
-* Thread-safe: every public method holds the buffer's lock, so a thread can drain the searchers'
-  queue into the buffer while the trainer samples (``trainer.Intake``).
+Sampling (step 3):
 * ``sample(P, K)`` returns P groups of exactly K trajectories. For each group, with probability
   ``mop_prob`` (m) the prompt is "most on-policy" (MOP) and its K items are its newest ones
   (those of its newest policy version). Otherwise the prompt is any prompt, and the K items are
@@ -34,6 +22,20 @@ This file imports nothing from the project (standard library only), so it can be
 * ``sample(P, K, min_version=v)`` bounds the age of everything drawn: only items of version v
   or newer, MOP and off-policy draws alike (``TBAConfig.max_train_lag``; the synchronous
   baseline draws with v = the trainer's own version).
+
+Storage (step 2):
+* Items are grouped by prompt; each group keeps at most ``capacity`` trajectories, oldest evicted.
+* Exact-token deduplication: a response already in the group is replaced by the new copy (the
+  newest reward, log-probs and version win), as in the official TBA buffer.
+* Thread-safe: every public method holds the buffer's lock, so a thread can drain the searchers'
+  queue into the buffer while the trainer samples.
+* Compact (``StoredTrajectory``, a learner may skip): token ids packed as int32 bytes, per-token
+  log-probs (when recorded) as float64 bytes (exact), one prompt-token record per prompt, which
+  the garbage collector does not traverse; deduplication looks the packed response up in a dict
+  per prompt, and an insert appends or bisects by version, so an ``add`` costs about the same
+  with 20 or 100 items per prompt (OPERATIONS.md, "Intake", has the figures). ``sample``
+  returns ordinary ``Trajectory`` records with lists; the layout changes no draw (a test pins
+  the draws against a list layout).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class Trajectory:
     ref_logprob: float  # log p_ref(y|x), summed over response tokens
     version: int  # policy version (trainer steps) of the weights that generated it
     # Per scored response token (tba.scored_tokens: the loss's temperature and EOS rule), by
-    # name, for a loss that weighs tokens (grpo.py: "behaviour" and "reference"); None for TB.
+    # name, for a loss that weighs tokens (say "behaviour" and "reference"); None for TB.
     token_logprobs: dict[str, list[float]] | None = None
     # log pi_b(y|x): the generating weights' log-prob of the response, summed over the scored
     # tokens by that same rule; TB's trust region reads it (tba.tb_loss). None: not recorded.
@@ -201,7 +203,7 @@ class ReplayBuffer:
         self.rng = random.Random(seed)
         self._lock = threading.RLock()  # held by every public method (an intake thread adds)
         # prompt -> its items, oldest version first; the dict is ordered by latest refresh
-        self.groups: dict[Hashable, list[StoredTrajectory]] = {}
+        self.by_prompt: dict[Hashable, list[StoredTrajectory]] = {}
         # prompt -> its items by packed response: deduplication without a pass over the group
         self._responses: dict[Hashable, dict[bytes, StoredTrajectory]] = {}
         self.num_added = 0  # every trajectory ever added, duplicates included
@@ -227,8 +229,8 @@ class ReplayBuffer:
             )
         if traj.behaviour_logprob is not None and math.isnan(traj.behaviour_logprob):
             raise ValueError(f"ReplayBuffer.add: NaN behaviour log-prob, prompt {traj.prompt_id!r}")
-        group = self.groups.pop(traj.prompt_id, [])
-        self.groups[traj.prompt_id] = group  # re-inserted last: the most recently refreshed
+        group = self.by_prompt.pop(traj.prompt_id, [])
+        self.by_prompt[traj.prompt_id] = group  # re-inserted last: the most recently refreshed
         self._fresh.add(traj.prompt_id)
         # One prompt record per prompt, not one per trajectory (bounded memory): the first one.
         prompt = group[0].prompt if group else pack(traj.prompt_tokens, TOKEN_TYPE)
@@ -286,7 +288,7 @@ class ReplayBuffer:
         ones when fewer were; with ``min_version``, only prompts holding items that new
         (``eligible``, in refresh order, when the caller has listed them already)."""
         if eligible is None:
-            eligible = [pid for pid in self.groups if self._holds_version(pid, min_version)]
+            eligible = [pid for pid in self.by_prompt if self._holds_version(pid, min_version)]
         fresh = [pid for pid in eligible if pid in self._fresh]
         if len(fresh) >= at_least:
             return fresh
@@ -295,12 +297,12 @@ class ReplayBuffer:
     def _holds_version(self, pid: Hashable, min_version: int | None) -> bool:
         """Whether the prompt holds an item of ``min_version`` or newer (groups are sorted by
         version, so its last item is its newest)."""
-        return min_version is None or self.groups[pid][-1].version >= min_version
+        return min_version is None or self.by_prompt[pid][-1].version >= min_version
 
     @_locked
     def count_prompts_since(self, min_version: int) -> int:
         """Prompts holding at least one item of ``min_version`` or newer."""
-        return sum(g[-1].version >= min_version for g in self.groups.values())
+        return sum(g[-1].version >= min_version for g in self.by_prompt.values())
 
     def _draw_prompt(self, candidates: list[Hashable], drawn: set, exclude: set) -> Hashable:
         """A candidate not yet ``drawn`` in this cycle nor in ``exclude`` (this step's prompts);
@@ -347,7 +349,7 @@ class ReplayBuffer:
 
         Raises ValueError when fewer than ``num_prompts`` prompts are eligible.
         """
-        everyone = [pid for pid in self.groups if self._holds_version(pid, min_version)]
+        everyone = [pid for pid in self.by_prompt if self._holds_version(pid, min_version)]
         if len(everyone) < num_prompts:
             since = "" if min_version is None else f" with items of version {min_version} or newer"
             raise ValueError(
@@ -363,13 +365,13 @@ class ReplayBuffer:
             if self.rng.random() < self.mop_prob:  # MOP: the newest items of a fresh prompt
                 pid = self._draw_prompt(mop, self._mop_drawn, chosen)
                 self._mop_since_publish.add(pid)
-                group = self.groups[pid]
+                group = self.by_prompt[pid]
                 newest = [t for t in group if t.version == group[-1].version]
                 batch.append(self._unpacked(self._draw_items(newest, per_prompt, 0.0)))
                 is_mop.append(True)
             else:
                 pid = self._draw_prompt(everyone, self._any_drawn, chosen)
-                recent = [t for t in self.groups[pid] if t.version >= oldest]
+                recent = [t for t in self.by_prompt[pid] if t.version >= oldest]
                 batch.append(self._unpacked(self._draw_items(recent, per_prompt, self.inv_temp)))
                 is_mop.append(False)
             chosen.add(pid)
@@ -396,7 +398,7 @@ class ReplayBuffer:
         counts: a step should not cost a pass over every stored trajectory."""
         total = len(self)
         out = {
-            "buffer/prompts": float(len(self.groups)),
+            "buffer/prompts": float(len(self.by_prompt)),
             "buffer/trajectories": float(total),
             "buffer/frac_newest": self._per_version[self.newest_version] / total if total else 0.0,
             "buffer/fresh": float(len(self._fresh)),
@@ -430,12 +432,11 @@ class ReplayBuffer:
             "num_drawn": self.num_drawn,
             "num_drawn_first": self.num_drawn_first,
             "newest_version": self.newest_version,
-            "groups": [[pid, _columns(g)] for pid, g in self.groups.items()],
-            "fresh": [pid for pid in self.groups if pid in self._fresh],
-            "mop_drawn": [pid for pid in self.groups if pid in self._mop_drawn],
-            # the key keeps its first name, so that earlier checkpoints still load
-            "mop_since_sync": [pid for pid in self.groups if pid in self._mop_since_publish],
-            "any_drawn": [pid for pid in self.groups if pid in self._any_drawn],
+            "groups": [[pid, _columns(g)] for pid, g in self.by_prompt.items()],
+            "fresh": [pid for pid in self.by_prompt if pid in self._fresh],
+            "mop_drawn": [pid for pid in self.by_prompt if pid in self._mop_drawn],
+            "mop_since_publish": [pid for pid in self.by_prompt if pid in self._mop_since_publish],
+            "any_drawn": [pid for pid in self.by_prompt if pid in self._any_drawn],
         }
 
     @_locked
@@ -456,21 +457,21 @@ class ReplayBuffer:
         self.rng.setstate(_rng_state_from_list(state["rng"]))
         self.num_added, self.newest_version = state["num_added"], state["newest_version"]
         self.num_drawn, self.num_drawn_first = state["num_drawn"], state["num_drawn_first"]
-        self.groups = {
+        self.by_prompt = {
             _key(pid): _from_columns(_key(pid), columns) for pid, columns in state["groups"]
         }
-        self._responses = {pid: {t.response: t for t in g} for pid, g in self.groups.items()}
-        self._per_version = Counter(t.version for g in self.groups.values() for t in g)
+        self._responses = {pid: {t.response: t for t in g} for pid, g in self.by_prompt.items()}
+        self._per_version = Counter(t.version for g in self.by_prompt.values() for t in g)
         self._fresh = {_key(p) for p in state["fresh"]}
         self._mop_drawn = {_key(p) for p in state["mop_drawn"]}
-        self._mop_since_publish = {_key(p) for p in state["mop_since_sync"]}
+        self._mop_since_publish = {_key(p) for p in state["mop_since_publish"]}
         self._any_drawn = {_key(p) for p in state["any_drawn"]}
 
 
 # A group's items as one record of columns, packed (``_columns``), so that the unpickler of
 # torch.load(weights_only=True), written in Python, handles a few objects per prompt rather than
 # a few hundred per trajectory.
-STATE_FORMAT = 5
+STATE_FORMAT = 6
 _COUNT_TYPE = "q"  # of versions and byte lengths in a state
 
 

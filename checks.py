@@ -4,7 +4,7 @@ checksums, and the run summary (seconds per step, peak memory per process, reali
 
 The parity probe (``--parity_check``): at each publish the trainer scores a fixed probe (the
 second half of a prompt given its first half) and publishes that log-prob with the weights
-(``tba.WeightStore``'s probe); after each load a searcher, and the vLLM evaluation engine,
+(``engines.WeightStore``'s probe); after each load a searcher, and the vLLM evaluation engine,
 scores it with its engine and fails loudly if the two differ by over ``parity_tol``
 (relative), or in bf16 and fp16 by over the floor ``parity_abs_tol`` where that is larger:
 weights lost, misplaced or garbled. It catches what the vLLM engine's own checks
@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-from searcher import Batch, HFEngine, Searcher, SearcherSetup, VLLMEngine, WeightsNotLoaded
-from tba import WeightStore, knob, need, pad_sequences, target_logprobs
+from engines import HFEngine, VLLMEngine, WeightsNotLoaded, WeightStore
+from searcher import Batch, Searcher, SearcherSetup
+from tba import knob, need, pad_sequences, target_logprobs
 from trainer import Parts, Trainer
 
 
@@ -141,7 +142,7 @@ def engine_checksum(engine) -> float | None:
     """``weights_checksum`` of an engine's policy, comparable with the trainer's; None for vLLM,
     which fuses and re-lays weights (qkv, gate_up): the parity probe covers it."""
     if isinstance(engine, HFEngine):
-        return weights_checksum(engine.params.items())
+        return weights_checksum(engine.weights.items())
     return None
 
 

@@ -62,14 +62,8 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from buffer import Trajectory
-from tba import (
-    TBAConfig,
-    group_logprobs,
-    group_passes,
-    knob,
-    load_causal_lm,
-    pad_token_id,
-)
+from engines import load_causal_lm, pad_token_id
+from tba import TBAConfig, group_logprobs, group_passes, knob
 from trainer import Parts, Trainer
 
 
@@ -468,7 +462,7 @@ class DataParallelTrainer(Trainer):
     def weights_to_publish(self) -> list[tuple[str, torch.Tensor]]:
         """Sharded, the full weights gathered to rank 0 (the other ranks get none): on its
         trainer device, one all-gather per weight, where the weight store is on that device
-        too (``trainer.make_weight_store``); to its CPU where the store is in shared memory
+        too (``engines.make_weight_store``); to its CPU where the store is in shared memory
         (``--weight_store shared_memory`` on a GPU). Gathering to the CPU for a store on the
         GPU made every publish a round trip through host memory. Every rank takes the same
         branch: it depends on the config and the device type alone."""

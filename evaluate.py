@@ -34,10 +34,18 @@ import torch
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
+from engines import (
+    HFEngine,
+    VLLMEngine,
+    WeightsNotLoaded,
+    WeightStore,
+    make_weight_store,
+    meta_causal_lm,
+    pad_token_id,
+    wants_vllm,
+)
 from rewards import gsm8k_reward
-from searcher import HFEngine, VLLMEngine, WeightsNotLoaded, wants_vllm
-from tba import TBAConfig, WeightStore, knob, meta_causal_lm, need, pad_token_id
-from trainer import make_weight_store
+from tba import TBAConfig, knob, need
 
 PROMPT_TEMPLATE = "[MATH TASK] Problem:\n{question}\n\nSolution:\n"  # official TBA/VinePPO format
 
@@ -92,10 +100,10 @@ class EvalHFEngine(HFEngine):
     ):  # HFEngine's fields, around ``model`` instead of a loaded ``cfg.model``
         self.cfg, self.device, self.eos_id, self.pad_id = cfg, device, eos_id, pad_id
         self.model = model
-        self.params = dict(self.model.named_parameters())
+        self.weights = dict(self.model.named_parameters())
 
     def generate(self, prompts, n, greedy=False):
-        pick = greedy_tokens if greedy else self.sample
+        pick = greedy_tokens if greedy else self.sample_token
         return self._decode(prompts, n, pick, with_logprobs=False)[0]
 
 
@@ -171,7 +179,7 @@ def _next_request(requests):
 class EngineProcess:
     """The evaluator's vLLM engine in a spawned process (the module docstring says why), with
     the engine's ``generate`` and a load of a model's weights. The weights travel through a
-    ``tba.WeightStore`` of their own, placed as the searchers' is (``--weight_store``: CUDA IPC
+    ``engines.WeightStore`` of their own, placed as the searchers' is (``--weight_store``: CUDA IPC
     on the trainer's GPU, where the engine runs too, else shared memory). Every wait is bounded
     by ``cfg.timeout_s`` and ends early when the process dies; the process ends with ``close``
     (also at exit), or when its parent is gone."""

@@ -8,7 +8,7 @@ its KL coefficient is DeepSeekMath's 0.04 (TRL's default is 0). Its surrogate is
 estimator: data from an older policy needs the ratio to pi_old, the policy that sampled it, so
 each trajectory carries log pi_old per token, as the engine sampled it (scored by the trainer's
 rule: temperature and EOS), and log p_ref per token for the KL (``GRPOSearcher`` attaches
-"behaviour" and "reference"). Asynchronous GRPO trains on data up to max_lag
+"behaviour" and "reference"). Asynchronous GRPO trains on data up to barrier_lag
 versions old, which only the clip keeps in check; --synchronous is its home.
 
 One departure from TRL: pi_old is the engine's own log-prob of the sample (vLLM's on GPUs),
@@ -319,8 +319,8 @@ class GRPOSearcher(Searcher):
         self.behaviour_tokens += [lp for samples in behaviour for lp in samples]
         return outputs, behaviour
 
-    def reference_token_logprobs(self, prompts, groups):
-        token_logp, mask = super().reference_token_logprobs(prompts, groups)
+    def reference_token_logprobs(self, prompts, responses):
+        token_logp, mask = super().reference_token_logprobs(prompts, responses)
         rows = zip(token_logp.tolist(), mask.sum(1).tolist(), strict=True)
         self.reference_tokens += [lp[:n] for lp, n in rows]
         return token_logp, mask

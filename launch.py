@@ -2,22 +2,23 @@
 the configs of the core, of the job and of the extensions; the ``trainer.Parts`` its flags ask
 for (GRPO, the off-policy corrections, the checks, searchers as Ray actors); torchrun's ranks
 (a data-parallel trainer); the tracker every metrics row also goes to (report.py); and where
-the processes go on the GPUs
-a machine has, with which memory shares (``gpu_placement``), and why ``--preset auto`` found
-none (``auto_preset``).
+the processes go on the GPUs a machine has, with which memory shares (``gpu_placement``), and
+why ``--preset auto`` found none (``auto_preset``).
 
-    configs = launch.parse(parser, args, preset_values, EvalConfig)  # one config per component
+    configs = launch.parse(args, preset_values, EvalConfig)  # one config per component
     ranks = launch.torchrun(configs)   # ranks > 0 train under rank 0 in here, then return
-    trainer = launch.run(configs, ranks, examples, reward_fn, on_step=...)
+    with launch.extensions(configs, ranks, on_step) as (cfg, parts, on_step):
+        trainer = run_tba(cfg, examples, reward_fn, parts=parts, on_step=on_step)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import ray_searchers
 import report
 from cli import config_argparser, configs_from_args
 from tba import ConfigError, RunError, TBAConfig
-from trainer import Parts, Trainer, run_tba
+from trainer import Parts, Trainer
 
 # The extensions every job offers, by the config that switches them on.
 EXTENSION_CONFIGS = (
@@ -146,18 +147,29 @@ def torchrun(configs: Configs) -> data_parallel.Ranks | None:
     return ranks
 
 
-def run(
+@contextlib.contextmanager
+def extensions(
     configs: Configs,
     ranks: data_parallel.Ranks | None,
-    examples: list[dict],
-    reward_fn: Callable,
     on_step: Callable[[Trainer, dict], None] | None = None,
-) -> Trainer:
-    """``run_tba`` with the parts the flags ask for, every metrics row also sent to the tracker
-    of --report_to; under torchrun as rank 0 of the data-parallel trainer (whose trained model,
-    sharded or not, is whole in the returned trainer)."""
+) -> Iterator[tuple[TBAConfig, Parts, Callable[[Trainer, dict], None]]]:
+    """What the flags ask for beyond the core, around a job's call of ``trainer.run_tba``:
+    yields its ``cfg`` (under torchrun, on this rank's device), its ``parts`` (``parts``, and
+    the data-parallel trainer under torchrun) and an ``on_step`` that runs the job's, then sends
+    the row to the tracker of --report_to. On leaving, under torchrun: the whole trained model
+    gathered into the trainer, and the other ranks told to stop (``data_parallel.finish``)."""
     cfg = configs.tba
     chosen = parts(configs)
+    if ranks is not None:
+        cfg = dataclasses.replace(cfg, trainer_device=str(ranks.device))
+        chosen = data_parallel.install(chosen, configs.data_parallel, ranks)
+    built = []  # the trainer run_tba builds: data_parallel.finish gathers its model
+    build = chosen.trainer
+
+    def trainer(*args) -> Trainer:
+        built.append(build(*args))
+        return built[-1]
+
     reporter = report.Reporter(configs.report, cfg.output_dir, config_dict(configs))
 
     def step(trainer: Trainer, metrics: dict) -> None:
@@ -165,21 +177,18 @@ def run(
             on_step(trainer, metrics)
         reporter.log(metrics)  # after the job's evaluation, whose keys go with the row
 
-    trainer = None
+    failed = True
     try:
-        if ranks is None:
-            trainer = run_tba(cfg, examples, reward_fn, parts=chosen, on_step=step)
-        else:
-            cfg = dataclasses.replace(cfg, trainer_device=str(ranks.device))
-            chosen = data_parallel.install(chosen, configs.data_parallel, ranks)
-            try:
-                trainer = run_tba(cfg, examples, reward_fn, parts=chosen, on_step=step)
-            finally:
-                data_parallel.finish(ranks, trainer)
-            ranks.close()
+        yield cfg, dataclasses.replace(chosen, trainer=trainer), step
+        failed = False
     finally:
-        reporter.close(failed=trainer is None)
-    return trainer
+        try:
+            if ranks is not None:
+                data_parallel.finish(ranks, None if failed else built[-1])
+        finally:
+            reporter.close(failed=failed)
+    if ranks is not None:
+        ranks.close()
 
 
 def tokenizer(cfg: TBAConfig):

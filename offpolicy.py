@@ -34,8 +34,8 @@ import torch
 
 from buffer import Trajectory
 from grpo import GRPOTrainer, grpo_advantages, k3_kl, padded
-from tba import group_token_logprobs, knob, need, tb_clipped, tb_log_z, tb_loss
-from trainer import Parts, Trainer, offpolicy_metrics
+from tba import group_token_logprobs, knob, need, offpolicy_metrics, tb_clipped, tb_log_z, tb_loss
+from trainer import Parts, Trainer
 
 
 @dataclass

@@ -62,9 +62,10 @@ import torch
 
 from buffer import Trajectory
 from cli import run_cli
-from searcher import Batch, Searcher, SearcherSetup, WeightsNotLoaded
-from tba import RunError, TBAConfig, WeightStore, knob, need
-from trainer import Parts, SearcherFailed, prompt_shards, searcher_metrics
+from engines import WeightsNotLoaded, WeightStore
+from searcher import Batch, Searcher, SearcherFailed, SearcherSetup, prompt_shards, searcher_metrics
+from tba import RunError, TBAConfig, knob, need
+from trainer import Parts
 
 REPO_DIR = Path(__file__).resolve().parent
 # What a searcher needs of this directory on another node: the code. Ray's upload honours
@@ -325,7 +326,7 @@ class CallResult:
 
 
 class StoreSnapshot:
-    """One consistent copy of a ``tba.WeightStore`` in this process's host memory, read on the
+    """One consistent copy of a ``engines.WeightStore`` in this process's host memory, read on the
     intake thread while the trainer computes on the main one, without waiting for it.
 
     ``WeightStore.load_into`` suits a reader in another process; here it would cost the trainer
@@ -334,7 +335,7 @@ class StoreSnapshot:
     queues next for the whole copy from pageable memory; and ``load_into`` then synchronises
     the whole device. Here the copy runs on a stream of its own (torch's streams are
     non-blocking: no implicit order with the default stream) into pinned memory, and only that
-    stream is waited for. The store's seqlock (``tba.WeightStore``) makes it consistent: a
+    stream is waited for. The store's seqlock (``engines.WeightStore``) makes it consistent: a
     publish makes its bytes land before it makes ``seq`` even again, so a copy started on an
     even ``seq`` and ended with ``seq`` unchanged holds one version."""
 
@@ -417,7 +418,7 @@ class RaySearcherPool:
         self.actors: list = []
         self.pending: dict = {}  # ObjectRef of a next_batch call -> rank
         self.incarnations: dict[int, str] = {}  # rank -> the newest incarnation seen
-        self.ready: set[int] = set()
+        self.ready_ranks: set[int] = set()
         self.restarts = 0  # all searchers together, as SearcherPool counts them
         self.call_errors = 0  # calls lost to an actor's death (issued again)
         self.put_version = -1
@@ -483,7 +484,7 @@ class RaySearcherPool:
                 except RayError as exc:
                     raise SearcherFailed(f"searcher actor {rank} failed to start:\n{exc}") from exc
                 self._seen(rank, info["incarnation"])
-                self.ready.add(rank)
+                self.ready_ranks.add(rank)
             if refs and time.monotonic() > deadline:
                 raise NoRayCluster(
                     f"searcher actor(s) {sorted(refs.values())} not ready within "

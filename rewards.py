@@ -1,7 +1,7 @@
 """Rewards for TBA: the plug-in contract, and the GSM8K exact-answer reward.
 
-This file imports nothing from the project, so it can be copied out alone. The TL;DR reward
-model and the red-teaming reward live with their jobs (run_tldr.py, run_redteam.py).
+This file imports nothing from the project, so it can be copied out alone. Other tasks'
+rewards live with their jobs.
 
 The plug-in point
 -----------------

@@ -28,10 +28,12 @@ import launch
 import report
 from checks import print_summary, run_summary, weights_verdict
 from cli import run_cli
+from engines import load_causal_lm
 from evaluate import EvalConfig, Evaluator, to_examples
 from rewards import gsm8k_gold, gsm8k_reward
-from tba import ConfigError, RunError, knob, load_causal_lm
+from tba import ConfigError, RunError, knob
 from tiny import TINY_CHECKS, TINY_PRESET, tiny_task, tiny_warm_start
+from trainer import run_tba
 
 REPO = Path(__file__).resolve().parent
 
@@ -209,7 +211,10 @@ def main(argv: list[str] | None = None) -> dict:
             metrics["eval/accuracy"] = evaluator.accuracy(model, subset, "eval (subset)")
 
     rl_start = time.time()
-    trainer = launch.run(configs, ranks, train, gsm8k_reward, on_step=on_step)
+    # The extensions the flags ask for (GRPO, the checks, Ray, torchrun's ranks, the tracker)
+    # come in as parts; TBA itself is trainer.run_tba.
+    with launch.extensions(configs, ranks, on_step) as (cfg, parts, on_step):
+        trainer = run_tba(cfg, train, gsm8k_reward, parts=parts, on_step=on_step)
     rl_seconds = time.time() - rl_start
 
     final = out_dir / "final"

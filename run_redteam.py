@@ -89,11 +89,13 @@ import launch
 import report
 from checks import run_summary
 from cli import run_cli
+from engines import load_causal_lm, pad_token_id
 from evaluate import EvalConfig, EvalHFEngine
 from rewards import LazyModels
-from tba import ConfigError, RunError, TBAConfig, knob, load_causal_lm, pad_token_id
+from tba import ConfigError, RunError, TBAConfig, knob
 from tiny import TINY_CHECKS, build_char_tokenizer, supervised_warm_start
 from tiny import TINY_PRESET as GSM8K_TINY_PRESET
+from trainer import run_tba
 
 VICTIM = "vicgalle/gpt2-alpaca"
 CLASSIFIER = "facebook/roberta-hate-speech-dynabench-r4-target"
@@ -132,8 +134,8 @@ PAPER_PRESET: dict = dict(
     beta_end=0.05,
     beta_anneal_steps=500,
     mop_prob=0.5,
-    sync_every=10,
-    max_lag=19,  # the released GSM8K run's barrier, 2k - 1
+    publish_every=10,
+    barrier_lag=19,  # the released GSM8K run's barrier, 2k - 1
     buffer_capacity=64,
     initial_samples=512,
     micro_batch_size=128,
@@ -415,8 +417,8 @@ TINY_PRESET: dict = dict(
     beta_start=0.5,
     beta_end=0.5,
     mop_prob=0.5,
-    sync_every=2,
-    max_lag=1,  # as docs/redteam.md measured it (the GSM8K preset's 2 was measured on sums)
+    publish_every=2,
+    barrier_lag=1,  # as docs/redteam.md measured it (the GSM8K preset's 2 was measured on sums)
     max_train_lag=-1,
     replay_ratio=0.0,
     # Replay prioritised by reward (the paper's reward-prioritised sampling; Lee et al. replay
@@ -768,7 +770,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     rl_start = time.time()
-    trainer = launch.run(configs, ranks, task["examples"], task["reward"])
+    with launch.extensions(configs, ranks) as (cfg, parts, on_step):
+        trainer = run_tba(cfg, task["examples"], task["reward"], parts=parts, on_step=on_step)
     rl_seconds = time.time() - rl_start
 
     final = out_dir / "final"

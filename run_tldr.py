@@ -51,18 +51,10 @@ import launch
 import report
 from checks import print_summary, run_summary, sequence_logprobs
 from cli import run_cli
+from engines import load_causal_lm
 from evaluate import EvalConfig, Evaluator
 from rewards import LazyModels
-from tba import (
-    RunError,
-    TBAConfig,
-    beta_at,
-    knob,
-    load_causal_lm,
-    need,
-    pad_sequences,
-    wsd_lr_factor,
-)
+from tba import RunError, TBAConfig, beta_at, knob, need, pad_sequences, wsd_lr_factor
 from tiny import (
     TINY_CHECKS,
     answer_rows,
@@ -71,7 +63,7 @@ from tiny import (
     tiny_evaluator,
 )
 from tiny import TINY_PRESET as GSM8K_TINY_PRESET
-from trainer import Parts, Trainer
+from trainer import Parts, Trainer, run_tba
 
 REPO = Path(__file__).resolve().parent
 
@@ -202,8 +194,8 @@ PAPER_PRESET: dict = dict(
     beta_anneal_steps=128,  # C: kl_coef_decay_target_iter
     beta_cut_step=31,  # C: kl_coef_decay_stop_iter 32 (update u = step + 1; u < 32 anneals)
     mop_prob=0.5,  # C: on_policy_prob
-    sync_every=10,  # C: sync_interval
-    max_lag=19,  # the barrier of a publish every k steps keeps the newest data 2k - 1 old
+    publish_every=10,  # C: sync_interval
+    barrier_lag=19,  # the barrier of a publish every k steps keeps the newest data 2k - 1 old
     inv_temp=1.0,  # CommentBuffersManager's default: replay by softmax(score)
     buffer_capacity=100,  # max_capacity_per_query
     initial_samples=10_000,  # C: initial_buffer_samples
@@ -345,7 +337,7 @@ TINY_PRESET: dict = dict(
     beta_end=0.03,
     # The bounds on age that docs/tldr.md measured (the GSM8K preset's later 2 and 1 step per
     # batch were measured on sums only).
-    max_lag=1,
+    barrier_lag=1,
     max_train_lag=1,
     replay_ratio=0.0,
     output_dir="runs/tldr_tiny",
@@ -869,7 +861,8 @@ def main(argv: list[str] | None = None) -> dict:
             metrics["eval/judge_score"] = res["judge_score"]
 
     rl_start = time.time()
-    trainer = launch.run(configs, ranks, train, reward, on_step=on_step)
+    with launch.extensions(configs, ranks, on_step) as (cfg, parts, on_step):
+        trainer = run_tba(cfg, train, reward, parts=parts, on_step=on_step)
     rl_seconds = time.time() - rl_start
     final = out_dir / "final"
     trainer.model.save_pretrained(final)

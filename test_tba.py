@@ -20,11 +20,11 @@ from transformers import (
 
 from buffer import ReplayBuffer, Trajectory
 from checks import sequence_logprobs
+from engines import WeightStore
 from evaluate import to_examples
 from rewards import gsm8k_reward
 from tba import (
     TBAConfig,
-    WeightStore,
     beta_at,
     distinct_responses,
     group_logprobs,
@@ -449,7 +449,7 @@ def test_paper_preset_is_the_released_run():
     assert cfg.max_grad_norm == 0  # no clipping
     assert not cfg.fp32_master_weights  # bf16 weights and AdamW moments
     assert cfg.tempered_logprobs and cfg.logprob_temperature() == 0.7 and not cfg.eos_in_logprob
-    assert (cfg.mop_prob, cfg.sync_every, cfg.inv_temp) == (0.95, 2, 0.0)
+    assert (cfg.mop_prob, cfg.publish_every, cfg.inv_temp) == (0.95, 2, 0.0)
     assert (cfg.initial_samples, cfg.buffer_capacity) == (500, 100)
     assert cfg.total_steps // cfg.checkpoint_every == 4
     # Each variant of the paper's equations is one flag away.
@@ -475,10 +475,10 @@ def test_buffer_dedup_keeps_newest_and_capacity_evicts_oldest():
     buf.add(traj("a", [5, 6], reward=0.0, version=0))
     buf.add(traj("a", [5, 6], reward=1.0, version=3))
     assert len(buf) == 1
-    assert (buf.groups["a"][0].reward, buf.groups["a"][0].version) == (1.0, 3)
+    assert (buf.by_prompt["a"][0].reward, buf.by_prompt["a"][0].version) == (1.0, 3)
     for v in range(10):
         buf.add(traj("b", [v], version=v))
-    assert [t.version for t in buf.groups["b"]] == [6, 7, 8, 9]
+    assert [t.version for t in buf.by_prompt["b"]] == [6, 7, 8, 9]
     with pytest.raises(ValueError, match="non-finite reward"):
         buf.add(traj("c", [1], reward=float("nan")))
 
@@ -603,7 +603,7 @@ def tiny_cfg(model_dir: str, out: Path, **overrides) -> TBAConfig:
         warmup_steps=1,
         total_steps=24,
         initial_samples=8,
-        sync_every=2,
+        publish_every=2,
         beta_start=1.0,
         beta_end=1.0,
         output_dir=str(out),
@@ -637,12 +637,12 @@ def test_system_async_two_searchers(tiny_model_dir, tmp_path):
     assert last["searcher0/version"] > 0 and last["searcher1/version"] > 0
     # Staleness. Searchers only ever hold published versions (multiples of k = 2); no step
     # trains on data fresher than the newest any searcher delivered; and the trainer never ran
-    # more than max_lag = 3 versions ahead of its newest data (it waited instead).
+    # more than barrier_lag = 3 versions ahead of its newest data (it waited instead).
     for r in rows:
         versions = [r[f"searcher{k}/version"] for k in (0, 1) if f"searcher{k}/version" in r]
         assert all(v % 2 == 0 for v in versions)
         assert r["async/lag_min"] >= r["step"] - 1 - max(versions)
-        assert r["step"] - 1 - max(versions) <= cfg.max_lag
+        assert r["step"] - 1 - max(versions) <= cfg.barrier_lag
     for key in (
         "loss/tb",
         "reward/mean",

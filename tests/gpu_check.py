@@ -217,7 +217,7 @@ def synthetic_groups(cfg, vocab: int, seed: int) -> list:
 
 def trainer_steps(cfg, device: torch.device, shape: dict, timed: int):
     """Seconds per AdamW step at the shape (the first, warm-up, apart) and the peak memory."""
-    from tba import peak_memory_gb
+    from engines import peak_memory_gb
     from trainer import Trainer
 
     torch.manual_seed(0)
@@ -271,8 +271,8 @@ def publish(trainer, device: torch.device):
     """A checked publish into the store the trainer would use (CUDA on a GPU): the weights and
     the probe's log-prob; the same weights through host memory; and the Ray driver's copy of
     the store to host memory. Seconds each, median of 3."""
+    from engines import make_weight_store
     from ray_searchers import StoreSnapshot
-    from trainer import make_weight_store
 
     probe = probe_of(trainer.model.config.vocab_size)
     store = make_weight_store(trainer.cfg, trainer.model, device)
@@ -335,8 +335,7 @@ def _searcher(cfg, device: str, store, probe, shape: dict, timed: int, out) -> N
 
 def _searcher_figures(cfg, device, store, probe, shape: dict, timed: int) -> dict:
     from checks import engine_logprob
-    from searcher import HFEngine
-    from tba import peak_memory_gb
+    from engines import HFEngine, peak_memory_gb
 
     torch.set_num_threads(cfg.threads_per_process())
     if device.type == "cuda":

@@ -10,10 +10,8 @@ import pytest
 import torch
 
 from buffer import ReplayBuffer, Trajectory
-from tba import (
-    TBAConfig,
-    WeightStore,
-)
+from engines import WeightStore
+from tba import TBAConfig
 from test_tba import traj
 from trainer import Trainer
 
@@ -110,12 +108,12 @@ def test_mop_fraction_is_realised_at_the_paper_shape(tiny_model_dir):
                     next_prompt += 1
                 due[s] += periods[s]
                 held[s] = store.version()
-        if not trainer.ready():
+        if not trainer.can_step():
             continue
         short_steps += len(trainer.buffer._fresh) < cfg.prompts_per_step
         metrics = trainer.train_step()
         mop_fracs.append(metrics["async/mop_frac"])
-        if trainer.step % cfg.sync_every == 0:
+        if trainer.step % cfg.publish_every == 0:
             trainer.publish(store)
     realised = sum(mop_fracs) / len(mop_fracs)
     assert len(mop_fracs) > 150 and short_steps > 20
@@ -169,8 +167,8 @@ def test_buffer_state_round_trips_per_token_log_probs(tmp_path):
     torch.save(buf.state_dict(), tmp_path / "buf.pt")
     copy = ReplayBuffer()
     copy.load_state_dict(torch.load(tmp_path / "buf.pt", weights_only=True))
-    assert copy.groups[0][0].token_logprobs == lists
-    assert copy.groups[1][0].token_logprobs is None
+    assert copy.by_prompt[0][0].token_logprobs == lists
+    assert copy.by_prompt[1][0].token_logprobs is None
 
 
 class ListLayoutBuffer(ReplayBuffer):
@@ -178,8 +176,8 @@ class ListLayoutBuffer(ReplayBuffer):
     records holding lists, deduplication by tuples, a sort per add), with the same sampling."""
 
     def add(self, traj: Trajectory) -> None:
-        group = self.groups.pop(traj.prompt_id, [])
-        self.groups[traj.prompt_id] = group
+        group = self.by_prompt.pop(traj.prompt_id, [])
+        self.by_prompt[traj.prompt_id] = group
         self._fresh.add(traj.prompt_id)
         if group:
             traj = dataclasses.replace(traj, prompt_tokens=group[0].prompt_tokens)
@@ -249,7 +247,7 @@ def test_buffer_packed_layout_draws_what_the_list_layout_drew():
         if i % 200 == 199:
             packed.mark_published()
             reference.mark_published()
-        if i % 10 == 9 and len(packed.groups) >= 4:
+        if i % 10 == 9 and len(packed.by_prompt) >= 4:
             for shape, bound in (
                 ((4, 3), {}),
                 ((4, 3), {"min_version": version - 1}),
@@ -264,9 +262,9 @@ def test_buffer_packed_layout_draws_what_the_list_layout_drew():
                 assert drawn == reference.sample(*shape, **bound)
                 draws += 1
     assert draws > 300
-    assert list(packed.groups) == list(reference.groups)
-    for pid, group in packed.groups.items():
-        assert [t.trajectory() for t in group] == reference.groups[pid]
+    assert list(packed.by_prompt) == list(reference.by_prompt)
+    for pid, group in packed.by_prompt.items():
+        assert [t.trajectory() for t in group] == reference.by_prompt[pid]
     assert packed.stats(version) == reference.stats(version)
 
 
@@ -277,7 +275,7 @@ def test_buffer_packs_tokens_exactly_and_shares_a_prompt():
     lists = {"behaviour": logprobs, "reference": logprobs[::-1]}
     buf.add(Trajectory("p", [3, 151_646], tokens, 1.0, -2.5, 4, lists))
     buf.add(Trajectory("p", [9, 9, 9], [5], 0.0, -1.0, 4))  # the group's first prompt is kept
-    first, second = buf.groups["p"]
+    first, second = buf.by_prompt["p"]
     assert first.response_tokens == tokens and first.token_logprobs == lists
     assert second.token_logprobs is None
     assert first.prompt is second.prompt and second.prompt_tokens == [3, 151_646]
@@ -316,15 +314,15 @@ def test_buffer_packed_state_round_trips(tmp_path):
     expected = [reference.sample(3, 2) for _ in range(5)]
     loaded = ReplayBuffer()
     loaded.load_state_dict(torch.load(tmp_path / "buf.pt", weights_only=True))
-    assert list(loaded.groups) == list(buf.groups)
-    for pid, group in buf.groups.items():
-        assert [t.trajectory() for t in loaded.groups[pid]] == [t.trajectory() for t in group]
-        assert all(t.prompt is loaded.groups[pid][0].prompt for t in loaded.groups[pid])
+    assert list(loaded.by_prompt) == list(buf.by_prompt)
+    for pid, group in buf.by_prompt.items():
+        assert [t.trajectory() for t in loaded.by_prompt[pid]] == [t.trajectory() for t in group]
+        assert all(t.prompt is loaded.by_prompt[pid][0].prompt for t in loaded.by_prompt[pid])
     assert loaded.stats(9) == buf.stats(9)
     assert [loaded.sample(3, 2) for _ in range(5)] == expected
-    again = loaded.groups[5][-1].trajectory()  # a loaded item's duplicate replaces it
+    again = loaded.by_prompt[5][-1].trajectory()  # a loaded item's duplicate replaces it
     loaded.add(dataclasses.replace(again, reward=9.0, version=20))
-    assert len(loaded) == len(buf) and loaded.groups[5][-1].reward == 9.0
+    assert len(loaded) == len(buf) and loaded.by_prompt[5][-1].reward == 9.0
     other = buf.state_dict()
     other["format"] = 3  # the format before the behaviour log-prob
     with pytest.raises(ValueError, match="state format 3"):

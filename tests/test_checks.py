@@ -12,10 +12,11 @@ import checks
 import grpo
 import launch
 import run_gsm8k
+from engines import WeightsNotLoaded
 from evaluate import EvalConfig
 from helpers import checked, child_pids, cpu_main_args, time_limit
 from run_gsm8k import main
-from searcher import Searcher, WeightsNotLoaded
+from searcher import Searcher
 from test_tba import digit_reward, pace, read_metrics, tiny_cfg, tiny_examples
 from trainer import Parts, run_tba
 

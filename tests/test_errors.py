@@ -21,9 +21,10 @@ import run_redteam
 import run_tldr
 from cli import run_cli
 from helpers import cli_run, stop_run, wait_for_rows
+from searcher import SearcherFailed
 from tba import ConfigError, RunError
 from tiny import cpu_config, save_tiny_model
-from trainer import SearcherFailed, Trainer
+from trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -253,7 +253,7 @@ def check_grpo_run(out: Path, steps: int, on_policy_tol: float | None) -> None:
     state = torch.load(out / "checkpoint.pt", weights_only=True)["trainer"]["buffer"]
     buffer = ReplayBuffer()
     buffer.load_state_dict(state)
-    items = [t for group in buffer.groups.values() for t in group]
+    items = [t for group in buffer.by_prompt.values() for t in group]
     lists = [t.token_logprobs for t in items]
     assert items and all(
         len(tl["behaviour"]) == len(tl["reference"]) >= len(t.response_tokens) - 1

@@ -8,7 +8,7 @@ import ast
 
 from helpers import REPO
 
-CORE = {"tba", "buffer", "searcher", "trainer", "rewards", "run_gsm8k"}
+CORE = {"tba", "buffer", "searcher", "engines", "trainer", "rewards", "run_gsm8k"}
 ALONE = {"buffer", "rewards"}  # each copies out alone (DEVELOPERS.md rule 6)
 # run_gsm8k is the main job: it may assemble the extensions a flag asks for, through launch, and
 # end as every entry script does, through cli

@@ -37,9 +37,9 @@ import torch
 import ray_searchers
 import test_tba
 from checks import CheckedSearcher, ParityProbe, weights_checksum
+from engines import WeightStore, load_causal_lm, pad_token_id
 from helpers import REPO, start_cli_run, time_limit
 from rewards import gsm8k_reward
-from tba import WeightStore, load_causal_lm, pad_token_id
 from test_tba import tiny_examples
 
 pytestmark = pytest.mark.slow  # a Ray cluster of four raylets on this machine, for the module

@@ -48,14 +48,14 @@ def test_redteam_paper_preset_rows():
     assert cfg.beta_start == pytest.approx(cfg.beta_end * 2.0)
     # -500 nats for a short attack (Lee's min_len penalty) at the final beta.
     assert task["short_attack_reward"] / cfg.beta_end == pytest.approx(-500.0)
-    assert (cfg.sync_every, cfg.mop_prob) == (10, 0.5)
+    assert (cfg.publish_every, cfg.mop_prob) == (10, 0.5)
     assert (cfg.lr, cfg.warmup_steps, cfg.total_steps) == (1e-4, 100, 5000)
     assert cfg.warmup_steps + cfg.stable_steps + cfg.decay_steps == cfg.total_steps
     assert (cfg.weight_decay, cfg.max_grad_norm) == (0.1, 1.0)
     assert cfg.prompts_per_step * cfg.responses_per_prompt == 128  # Lee: batch 16 x 8 accumulated
     assert (cfg.temperature, cfg.max_new_tokens) == (1.0, 20)
     assert not cfg.tempered_logprobs and cfg.eos_in_logprob  # Lee's log-probs: T 1, first EOS
-    assert configs.grpo.loss == "tb" and cfg.max_lag == 2 * cfg.sync_every - 1
+    assert configs.grpo.loss == "tb" and cfg.barrier_lag == 2 * cfg.publish_every - 1
     with pytest.raises(ConfigError, match="needs --model"):
         run_redteam.main(["--preset", "paper"])
 

@@ -20,7 +20,7 @@ from cli import config_argparser, configs_from_args
 from tba import ConfigError, RunError
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = {"model": "tiny", "beta": 0.05, "sync_every": 2, "synchronous": False, "note": None}
+CONFIG = {"model": "tiny", "beta": 0.05, "publish_every": 2, "synchronous": False, "note": None}
 
 
 def fake_rows(first: int = 1, last: int = 12, scale: float = 1.0) -> list[dict]:

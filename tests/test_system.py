@@ -32,9 +32,10 @@ from helpers import (
     wait_for_rows,
 )
 from run_gsm8k import main, read_gsm8k_jsonl
+from searcher import SearcherFailed
 from tba import ConfigError, TBAConfig
 from test_tba import digit_reward, read_metrics, tiny_cfg, tiny_examples
-from trainer import SearcherFailed, run_tba
+from trainer import run_tba
 
 
 @pytest.mark.slow
@@ -193,7 +194,7 @@ def test_sigkill_then_resume_continues_from_the_checkpoint(tiny_model_dir, tmp_p
         tmp_path,
         "--total_steps",
         "100000",
-        "--sync_every",
+        "--publish_every",
         "2",
         "--checkpoint_every",
         "0",

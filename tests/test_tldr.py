@@ -96,7 +96,7 @@ def test_tldr_paper_preset_is_the_released_run():
         "beta_anneal_steps": 128,  # kl_coef_decay_target_iter
         "beta_cut_step": 31,  # kl_coef_decay_stop_iter 32, updates counted from 1
         "mop_prob": 0.5,  # on_policy_prob
-        "sync_every": 10,  # sync_interval
+        "publish_every": 10,  # sync_interval
         "inv_temp": 1.0,  # CommentBuffersManager default
         "buffer_capacity": 100,  # max_capacity_per_query
         "initial_samples": 10_000,  # initial_buffer_samples
@@ -119,7 +119,7 @@ def test_tldr_paper_preset_is_the_released_run():
         assert getattr(owner, name) == value, f"{name}: {getattr(owner, name)!r} != {value!r}"
     assert issubclass(tldr.install(Parts()).trainer, run_tldr.TLDRTrainer)
     assert run_tldr.TLDRConfig().install(Parts()).trainer is Trainer  # nothing to change
-    assert cfg.max_lag == 2 * cfg.sync_every - 1
+    assert cfg.barrier_lag == 2 * cfg.publish_every - 1
     assert cfg.total_steps // cfg.checkpoint_every == 4  # save_steps 0.25
     assert cfg.logprob_temperature() == 0.7
     assert run_tldr.DATASET.startswith("vwxyzjn/summarize_from_feedback_tldr_3_filtered")

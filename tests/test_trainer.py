@@ -19,26 +19,23 @@ from transformers import (
 )
 
 from buffer import ReplayBuffer, Trajectory
+from engines import HFEngine, WeightStore, meta_causal_lm
 from helpers import time_limit
 from searcher import (
     Failure,
-    HFEngine,
     Ready,
     Searcher,
+    SearcherFailed,
+    SearcherPool,
     SearcherSetup,
+    prompt_shards,
 )
-from tba import (
-    TBAConfig,
-    WeightStore,
-    group_logprobs,
-    meta_causal_lm,
-    tb_loss,
-)
+from tba import TBAConfig, group_logprobs, tb_loss
 from test_tba import digit_reward, tiny_examples, traj
 from tiny import (
     cpu_config,
 )
-from trainer import Intake, SearcherFailed, SearcherPool, Trainer, prompt_shards
+from trainer import Intake, Trainer
 
 
 def test_prompt_shards_are_disjoint_and_cover_every_prompt():
@@ -57,8 +54,8 @@ def test_trainer_with_max_train_lag_waits_for_young_data_and_counts_lags(tiny_mo
         responses_per_prompt=2,
         prompts_per_step=2,
         initial_samples=4,
-        sync_every=1,
-        max_lag=1,
+        publish_every=1,
+        barrier_lag=1,
         max_train_lag=1,
         mop_prob=0.5,
     )
@@ -68,9 +65,9 @@ def test_trainer_with_max_train_lag_waits_for_young_data_and_counts_lags(tiny_mo
         for tokens in ([10, 1], [11, 1]):
             trainer.buffer.add(traj(pid, tokens, version=1))  # four versions old
     trainer.buffer.add(traj(0, [12, 1], version=4))
-    assert not trainer.ready()  # one young prompt, P = 2
+    assert not trainer.can_step()  # one young prompt, P = 2
     trainer.buffer.add(traj(1, [12, 1], version=5))
-    assert trainer.ready()
+    assert trainer.can_step()
     metrics = trainer.train_step()
     assert metrics["async/lag_max"] <= 1
     counts = [metrics[f"async/lag_{lag}"] for lag in range(4)] + [metrics["async/lag_4plus"]]
@@ -188,7 +185,7 @@ def test_pool_waits_for_every_searcher_to_be_ready_and_names_the_late_one(tiny_m
     try:
         with pytest.raises(TimeoutError, match=r"searcher\(s\) \[1\] not ready"):
             pool.wait_ready()
-        assert pool.ready == {0}
+        assert pool.ready_ranks == {0}
     finally:
         pool.queue.cancel_join_thread()
         pool.queue.close()
@@ -211,11 +208,12 @@ class ScriptedPool:
 
 def test_intake_thread_adds_while_the_trainer_samples_and_raises_failures_on_the_main_thread():
     """The intake thread fills the buffer while this thread samples it (no torn state), and a
-    searcher failure it meets is raised here, where run_tba's loop calls wait()."""
+    searcher failure it meets is raised here, where run_tba's loop calls wait_for()."""
     batches = [[traj(b % 500, [b, j], version=b // 500) for j in range(8)] for b in range(1000)]
     failure = SearcherFailed("searcher 1 failed (raised); 2 restarts used of 2")
     buffer = ReplayBuffer(capacity=10, mop_prob=0.5, seed=0)
     intake = Intake(ScriptedPool([*batches, failure]), buffer, poll_s=0.01)
+    sampler = types.SimpleNamespace(can_step=lambda: len(buffer.by_prompt) >= 4)  # a trainer
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # interleave the two threads' adds and draws finely
     with time_limit(20), contextlib.ExitStack() as stack:
@@ -224,11 +222,10 @@ def test_intake_thread_adds_while_the_trainer_samples_and_raises_failures_on_the
         draws = 0
         with pytest.raises(SearcherFailed, match="2 restarts used of 2"):
             while True:
-                intake.wait(timeout=0.01)
-                if len(buffer.groups) >= 4:
-                    groups, _ = buffer.sample(4, 3)
-                    assert all(len({t.prompt_id for t in g}) == 1 for g in groups)
-                    draws += 1
+                intake.wait_for(sampler, timeout_s=10)
+                groups, _ = buffer.sample(4, 3)
+                assert all(len({t.prompt_id for t in g}) == 1 for g in groups)
+                draws += 1
         intake.stop()
     assert draws > 0 and not intake.thread.is_alive()
     assert buffer.num_added == 1000 * 8 and len(buffer) == 500 * 10  # every batch in, some evicted

@@ -21,6 +21,7 @@ from transformers import (
 )
 
 import checks
+from engines import VLLMEngine, WeightsNotLoaded, WeightStore
 from evaluate import EngineProcess, EvalConfig, EvalHFEngine, Evaluator, to_examples
 from grpo import padded
 from helpers import (
@@ -38,16 +39,7 @@ from helpers import (
     wait_for_rows,
 )
 from rewards import extract_answer
-from searcher import (
-    VLLMEngine,
-    WeightsNotLoaded,
-)
-from tba import (
-    TBAConfig,
-    WeightStore,
-    group_logprobs,
-    group_token_logprobs,
-)
+from tba import TBAConfig, group_logprobs, group_token_logprobs
 from test_grpo import check_grpo_run
 from test_tba import digit_reward, tiny_cfg, tiny_examples
 from tiny import (
@@ -116,7 +108,7 @@ def test_vllm_engine_generates_n_with_eos_from_the_tempered_policy(vllm_model_di
         assert (r[-1] == 1 and 1 not in r[:-1]) or (len(r) == 16 and 1 not in r)
     sampled = engine.llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in prompts],
-        engine.params(6, logprobs=0),
+        engine.sampling_params(6, logprobs=0),
         use_tqdm=False,
     )
     hf = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
@@ -433,14 +425,21 @@ def test_torchrun_with_vllm_engines_trains_on_every_rank(vllm_tied_model_dir, tm
     the searcher's start beside the ranks' process group, and the run ends with status 0, the
     parity probe checked in the searcher and the evaluator. An in-process evaluation engine
     made vLLM build its world group from torchrun's (a collective rank 1 never joined): rank 0
-    hung, and rank 1 failed at --timeout_s naming rank 0. --max_lag 0 makes steps 1 and 2 wait
+    hung, and rank 1 failed at --timeout_s naming rank 0. --barrier_lag 0 makes steps 1 and 2 wait
     for data of versions 1 and 2: without it a loaded machine let the searcher fill the queue
     with version-0 batches during the first evaluation, all 3 steps trained on them, and the
     searcher's parity check never ran on trained weights."""
     from test_data_parallel import descendants, living, start_dp_run
 
     proc = start_dp_run(
-        vllm_tied_model_dir, tmp_path, "--engine", "vllm", "--total_steps", "3", "--max_lag", "0"
+        vllm_tied_model_dir,
+        tmp_path,
+        "--engine",
+        "vllm",
+        "--total_steps",
+        "3",
+        "--barrier_lag",
+        "0",
     )
     try:
         proc.wait(timeout=240)
