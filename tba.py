@@ -76,8 +76,10 @@ Options beyond the paper, off in its preset, each one flag (docs/staleness.md):
     max_train_lag it spends TB's tolerance for stale data on steps (docs/tiny.md, "the
     accounting"). The released run has no such bound.
   * tb_clip_eps: TB's trust region on each item's behaviour log-prob (``tb_loss`` explains
-    it). On in the tiny presets; off in the paper preset, whose bf16 vLLM log-probs are not
-    known to match the trainer's within eps on long responses (docs/staleness.md).
+    it). On in the tiny presets, at 0.05 nats, where it makes a step on data one or two
+    versions old teach more than an on-policy step (docs/tiny.md); off in the paper preset,
+    whose bf16 vLLM log-probs are not known to match the trainer's within eps on long
+    responses (docs/staleness.md).
 """
 
 from __future__ import annotations
@@ -150,7 +152,10 @@ def tb_loss(
     on-policy rho = 0 and the gradient is plain TB's exactly. The region is the sampler's, so
     it suits data whose sampler follows the policy (TBA's searchers, some versions behind):
     from a fixed sampler far from the target (an offline dataset) every item is soon past eps
-    and the policy stops short of it. Leave it off for such data.
+    and the policy stops short of it. Leave it off for such data. Tight (a few hundredths of a
+    nat) on data a version or two old, it drops the items the previous update already moved
+    along their push, and a step whose gradient norm is clipped gives their share to the rest:
+    such a step can teach more than an on-policy one (docs/tiny.md has the measurement).
     """
     if logp.dim() != 2 or logp.shape != ref_logp.shape or logp.shape != reward.shape:
         raise ValueError(
@@ -569,7 +574,7 @@ class TBAConfig:
     tb_clip_eps: float = knob(
         0.0,
         "TB's trust region, in nats of log pi - log pi_b (tba.tb_loss); the optimum does not "
-        "move. 0: off, as in the paper (tiny presets: 0.3)",
+        "move. 0: off, as in the paper (tiny preset: 0.05)",
         at_least=0,
     )
     # 4. AdamW and its warmup-stable-decay schedule

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import bench
+from buffer import ReplayBuffer
 from cli import run_cli
 from helpers import REPO
 from tba import ConfigError
@@ -101,6 +102,30 @@ def test_hard_staleness_trains_on_the_harder_task_and_counts_its_level(tmp_path,
     curve = [(0, 0.33), (100, 0.41), (200, 0.39)]
     summary = bench.summarize_staleness([dict(run, curve=curve)])
     assert summary["tb_clip_lag"]["2"]["median_steps_to"] == 100
+
+
+def test_staleness_through_the_buffer_trains_what_the_buffer_samples(tmp_path, monkeypatch):
+    """--stale_buffer: each step's batch goes into the trainer's replay buffer and the step
+    trains the P groups of K the buffer samples within max_train_lag, with a publish after it
+    (three steps at lag 1 from an untrained model)."""
+    drawn = []
+    real = ReplayBuffer.sample
+
+    def sample(self, num_prompts, per_prompt, min_version=None):
+        groups, is_mop = real(self, num_prompts, per_prompt, min_version)
+        drawn.append((len(groups), {len(g) for g in groups}, min_version, len(self._fresh)))
+        return groups, is_mop
+
+    monkeypatch.setattr(ReplayBuffer, "sample", sample)
+    model = bench.save_tiny_model(tmp_path / "model")
+    run = bench.staleness_run(model, "tb_clip_0.05", 1, 0, 3, {}, through_buffer=True)
+    p, k = bench.TINY_PRESET["prompts_per_step"], bench.TINY_PRESET["responses_per_prompt"]
+    lag = bench.TINY_PRESET["max_train_lag"]
+    # each step: P groups of K, no item older than max_train_lag, one fresh batch since the
+    # last publish
+    assert drawn == [(p, {k}, step - lag, p) for step in range(3)]
+    assert run["generated_by"] == [0, 0, 1]
+    assert run["offpolicy"]["offpolicy/rho_abs_mean"] >= 0
 
 
 def test_ray_puts_the_timed_runs_searchers_on_the_clusters_searcher_nodes():
