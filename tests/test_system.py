@@ -254,9 +254,11 @@ def test_tiny_preset_end_to_end_learns_saves_and_resumes(tmp_path, monkeypatch):
     assert saved["steps"] == 200 and saved["preset"] == "tiny"
     # The tiny presets check every weight load (tiny.TINY_CHECKS) and say so.
     assert saved["summary"]["weights"].startswith("weights reached every searcher (searcher0 up")
-    # TB's trust region is on in the tiny preset; at lag <= 1 it seldom binds.
+    # TB's trust region is on in the tiny preset, tight (0.05 nats): at lags of 1-2 it drops
+    # the gradient of a minority of the items, those the previous update moved along their push
+    # (about 10% in the measured runs; docs/tiny.md).
     assert all("offpolicy/clip_frac" in r for r in rows)
-    assert saved["summary"]["clip_frac"] < 0.1
+    assert 0.01 < saved["summary"]["clip_frac"] < 0.3
     assert 0 <= saved["accuracy_before"] <= 1 and 0 <= saved["accuracy_after"] <= 1
     assert {"pass@2", "distinct_2"} <= set(saved["diversity_after"])
     assert saved == json.loads(json.dumps(results))
