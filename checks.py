@@ -1,6 +1,7 @@
 """Checks that a run did what it meant to, for a first run on new hardware (``--preset smoke``)
 and for the tests: the parity probe (published weights reached every engine intact), weight
-checksums, and the run summary (seconds per step, peak memory per process, realised m, lag).
+checksums, and the run summary (seconds per step, peak memory per process, realised m, lag, and
+what ran where: the trainer's ranks, each searcher's node and engine, the weight path).
 
 The parity probe (``--parity_check``): at each publish the trainer scores a fixed probe (the
 second half of a prompt given its first half) and publishes that log-prob with the weights
@@ -12,7 +13,10 @@ weights lost, misplaced or garbled. It catches what the vLLM engine's own checks
 something else.
 
 The extension: ``ChecksConfig``, ``ParityProbe``, ``CheckedTrainer`` and ``CheckedSearcher``
-(installed by ``install``), and the summary a job prints at its end.
+(installed by ``install``), and the summary a job prints at its end. What ran is written as the
+run goes, by the parts that know it (``record_ran``: launch.py the trainer's ranks and local
+searchers, ray_searchers.py its actors and weight path), into ``output_dir/ran.json``, which
+the summary takes in.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -214,10 +219,42 @@ def checked_searcher(base: type[Searcher], setup: SearcherSetup, parity: ParityP
 # ----------------------------------------------------------------------------- the run summary
 
 
+RAN_FILE = "ran.json"
+
+
+def record_ran(out_dir: str | Path, parts: dict) -> None:
+    """Merge ``parts`` (top-level keys: ``trainer``, ``searchers``, ``weights``) into
+    ``out_dir/ran.json``, replaced atomically: what ran where, for the run summary."""
+    path = Path(out_dir) / RAN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    known = json.loads(path.read_text()) if path.exists() else {}
+    known.update(parts)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(known, indent=2))
+    os.replace(temporary, path)
+
+
+def what_ran(out_dir: Path, rows: list[dict]) -> dict:
+    """``ran.json`` with the weights' times from the metrics: the median trainer publish
+    (``time/publish``, the copy into the store) and the mean searcher load where one happened
+    (``time/load``, a step's mean over the batches that arrived)."""
+    path = out_dir / RAN_FILE
+    ran = json.loads(path.read_text()) if path.exists() else {}
+    weights = ran.setdefault("weights", {})
+    publishes = [r["time/publish"] for r in rows if r.get("time/publish", 0.0) > 0]
+    loads = [r["time/load"] for r in rows if r.get("time/load", 0.0) > 0]
+    if publishes:
+        weights["publish_s_median"] = statistics.median(publishes)
+    if loads:
+        weights["load_s_mean"] = statistics.fmean(loads)
+    return ran
+
+
 def run_summary(out_dir: Path, mop_prob: float) -> dict:
     """What a first run on new hardware must tell: seconds per step, the initial fill, peak
-    memory of every process, the realised most-on-policy fraction and the lag, and how far the
-    trained policy was from the samplers' log-probs (metrics.jsonl)."""
+    memory of every process, the realised most-on-policy fraction and the lag, how far the
+    trained policy was from the samplers' log-probs (metrics.jsonl), and what ran where
+    (``what_ran``)."""
     lines = (out_dir / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     peaks = {"trainer": max(r["memory/trainer_peak_gb"] for r in rows)}
@@ -239,6 +276,7 @@ def run_summary(out_dir: Path, mop_prob: float) -> dict:
         values = [r[f"offpolicy/{key}"] for r in rows if f"offpolicy/{key}" in r]
         if values:
             summary[key] = statistics.fmean(values)
+    summary["ran"] = what_ran(out_dir, rows)
     return summary
 
 
@@ -288,5 +326,46 @@ def print_summary(summary: dict) -> None:
             f"nats, 10-90% [{summary['rho_q10']:.3f}, {summary['rho_q90']:.3f}]; trust region "
             f"clipped {summary['clip_frac']:.1%} of items"
         )
+    for line in ran_lines(summary.get("ran", {})):
+        print(line)
     if "weights" in summary:  # what --parity_check checked
         print(summary["weights"])
+
+
+def ran_lines(ran: dict) -> list[str]:
+    """What ran where, in a few lines (``what_ran``)."""
+    lines = []
+    trainer = ran.get("trainer")
+    if trainer:
+        ranks = trainer["ranks"]
+        how = f"{ranks} data-parallel ranks ({trainer['backend']})" if ranks > 1 else "1 process"
+        lines.append(f"trainer: {how}, rank 0 on {trainer['device']} at {trainer['node']}")
+    searchers = ran.get("searchers", {})
+    if searchers:
+        each = [
+            f"{rank} {s['engine']} on {s['device']} at {s['node']}"
+            for rank, s in sorted(searchers.items(), key=lambda item: int(item[0]))
+        ]
+        ray = " (Ray actors)" if any(s.get("ray_actor") for s in searchers.values()) else ""
+        lines.append(f"searchers{ray}: " + "; ".join(each))
+    weights = ran.get("weights", {})
+    if "path" in weights:
+        times = (
+            [f"publish {weights['publish_s_median']:.3f} s"]
+            if "publish_s_median" in weights
+            else []
+        )
+        if "seconds_per_version" in weights:
+            times.append(
+                f"to every searcher {weights['seconds_per_version']:.3f} s per version "
+                f"(median of {weights['versions_sent']})"
+            )
+        if "put_seconds_per_version" in weights:
+            times.append(f"ray.put {weights['put_seconds_per_version']:.3f} s")
+        if "load_s_mean" in weights:
+            times.append(f"each engine's load {weights['load_s_mean']:.3f} s")
+        rebuilt = weights.get("group_rebuilds", 0)
+        if rebuilt > 1:
+            times.append(f"the group formed {rebuilt} times")
+        lines.append(f"weights: {weights['path']}: " + ", ".join(times))
+    return lines

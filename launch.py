@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ import offpolicy
 import ray_searchers
 import report
 from cli import config_argparser, configs_from_args
+from engines import wants_vllm
 from tba import ConfigError, RunError, TBAConfig
 from trainer import Parts, Trainer
 
@@ -178,6 +180,7 @@ def extensions(
         reporter.log(metrics)  # after the job's evaluation, whose keys go with the row
 
     failed = True
+    checks.record_ran(cfg.output_dir, ran_here(configs, ranks))
     try:
         yield cfg, dataclasses.replace(chosen, trainer=trainer), step
         failed = False
@@ -189,6 +192,38 @@ def extensions(
             reporter.close(failed=failed)
     if ranks is not None:
         ranks.close()
+
+
+def ran_here(configs: Configs, ranks: data_parallel.Ranks | None) -> dict:
+    """What this job runs from here (checks.record_ran): the trainer's data-parallel ranks and
+    their backend, and, unless they are Ray actors (ray_searchers records those), the searcher
+    processes on this machine and the weight store they load from."""
+    import torch
+    import torch.distributed as dist
+
+    cfg = configs.tba
+    device = str(ranks.device) if ranks is not None else cfg.trainer_device
+    trainer = {"ranks": 1, "backend": None, "device": device, "node": socket.gethostname()}
+    if ranks is not None:
+        trainer.update(
+            ranks=ranks.world_size,
+            backend=dist.get_backend(),
+            sharded=configs.data_parallel.fsdp,
+        )
+    out = {"trainer": trainer}
+    if configs.ray.ray:
+        return out
+    searchers = {}
+    for rank, name in enumerate(cfg.searcher_device_list()[: cfg.num_searchers]):
+        engine = "VLLMEngine" if wants_vllm(cfg, torch.device(name)) else "HFEngine"
+        searchers[str(rank)] = {"node": socket.gethostname(), "engine": engine, "device": name}
+    on_gpu = cfg.weight_store == "cuda" or (
+        cfg.weight_store == "auto" and device.startswith("cuda")
+    )
+    out["searchers"] = searchers
+    path = "CUDA IPC (a store on the trainer's GPU)" if on_gpu else "shared memory"
+    out["weights"] = {"path": f"{path}, on this machine"}
+    return out
 
 
 def tokenizer(cfg: TBAConfig):
