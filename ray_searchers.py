@@ -43,9 +43,11 @@ want of the token into one clear error within a second.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import socket
 import statistics
@@ -61,11 +63,16 @@ from pathlib import Path
 import torch
 
 from buffer import Trajectory
+from checks import record_ran
 from cli import run_cli
 from engines import WeightsNotLoaded, WeightStore
 from searcher import Batch, Searcher, SearcherFailed, SearcherSetup, prompt_shards, searcher_metrics
 from tba import RunError, TBAConfig, knob, need
 from trainer import Parts
+
+# How a version reaches the actors (RayConfig.ray_weights).
+BROADCAST = "broadcast"
+OBJECT_STORE = "object_store"
 
 REPO_DIR = Path(__file__).resolve().parent
 # What a searcher needs of this directory on another node: the code. Ray's upload honours
@@ -92,12 +99,46 @@ class RayConfig:
         "Ray: custom resources each searcher actor asks for, NAME=AMOUNT[,NAME=AMOUNT] (offered "
         "by nodes started with `ray start --resources`, e.g. to keep searchers off the head)",
     )
+    ray_weights: str = knob(
+        BROADCAST,
+        "Ray: how a published version reaches the searcher actors: broadcast (a weight group of "
+        "its own, the driver rank 0: the bytes in buckets straight to every actor, Ray only for "
+        "control) or object_store (ray.put once, each node pulls it)",
+    )
+    ray_backend: str = knob(
+        "gloo",
+        "Ray broadcast: the weight group's backend: gloo (host memory, any network; a CUDA "
+        "store is copied to host memory first) or nccl (GPU to GPU: the trainer on a GPU, every "
+        "searcher on a GPU; not run on a GPU yet, docs/ray.md)",
+    )
+    ray_bucket_mb: int = knob(
+        64, "Ray broadcast: MiB per bucket, two in flight (the memory NCCL stages through)"
+    )
+    ray_weights_timeout_s: float = knob(
+        60.0,
+        "Ray broadcast: the deadline of one version's broadcast, the group's rendezvous "
+        "included; a searcher that misses it is killed and restarted, and the group is rebuilt "
+        "with the others (less than --timeout_s)",
+    )
 
     def __post_init__(self) -> None:
         need(self.ray_in_flight >= 1, f"--ray_in_flight must be >= 1, got {self.ray_in_flight}")
         need(
             self.ray_cpus_per_searcher > 0,
             f"--ray_cpus_per_searcher must be > 0, got {self.ray_cpus_per_searcher}",
+        )
+        need(
+            self.ray_weights in (BROADCAST, OBJECT_STORE),
+            f"--ray_weights must be {BROADCAST} or {OBJECT_STORE}, got {self.ray_weights!r}",
+        )
+        need(
+            self.ray_backend in ("gloo", "nccl"),
+            f"--ray_backend must be gloo or nccl, got {self.ray_backend!r}",
+        )
+        need(self.ray_bucket_mb >= 1, f"--ray_bucket_mb must be >= 1, got {self.ray_bucket_mb}")
+        need(
+            self.ray_weights_timeout_s > 0,
+            f"--ray_weights_timeout_s must be > 0, got {self.ray_weights_timeout_s}",
         )
         self.resources()  # a malformed list is an error now, not when actors start
 
@@ -290,6 +331,8 @@ class SearcherActor:
     ):
         torch.set_num_threads(threads)
         self.incarnation = uuid.uuid4().hex
+        if isinstance(setup.store, GroupWeightSource):  # it joins while the models load
+            setup.store.start(setup.rank, self.incarnation)
         self.searcher = make(setup)
 
     def info(self) -> dict:
@@ -304,12 +347,648 @@ class SearcherActor:
             "incarnation": self.incarnation,
             "pid": os.getpid(),
             "node_id": ctx.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
             "reconstructed": reconstructed,
+            "engine": type(self.searcher.engine).__name__,
+            "device": str(self.searcher.device),
         }
 
     def next_batch(self) -> tuple[str, Batch]:
         """1a-1c once (``Searcher.next_batch``), with this incarnation's id."""
         return self.incarnation, self.searcher.next_batch()
+
+
+# ----------------------------------------------------------------------------- the weight group
+#
+# With --ray_weights broadcast (the default) a version travels in a torch process group of its
+# own, the weight group: the driver is rank 0, each searcher actor a rank. Ray carries only
+# control (``GroupBoard``); the bytes go over the group's sockets (gloo) or GPU links (NCCL).
+
+
+class WeightGroupError(RuntimeError):
+    """An operation of the weight group failed or missed its deadline: a member died, hung,
+    or never joined."""
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One incarnation of the weight group (``epoch``): where its rendezvous is (the driver's
+    TCPStore) and who is in it, ``members``: (searcher rank, incarnation) -> group rank."""
+
+    seq: int
+    epoch: int
+    host: str
+    port: int
+    members: dict
+
+    @property
+    def world(self) -> int:
+        return 1 + len(self.members)
+
+
+@dataclass(frozen=True)
+class Announce:
+    """Version ``version`` (published with ``probe``) is broadcast in group ``epoch`` now."""
+
+    seq: int
+    epoch: int
+    version: int
+    probe: float
+
+
+class GroupBoard:
+    """The weight group's control, an async actor on the driver's node: the newest plan, the
+    newest announced version, and what each searcher told it (its heartbeat, its node, how its
+    latest part in the group ended). A receiver long-polls it (``poll``): a plan or an
+    announcement reaches it within milliseconds, and the poll itself is its heartbeat."""
+
+    def __init__(self):
+        import asyncio
+
+        self.seq = 0
+        self.plan: GroupPlan | None = None
+        self.announce: Announce | None = None
+        self.posted = asyncio.Event()
+        self.members: dict[int, dict] = {}  # searcher rank -> what it last said, and when
+
+    def post_plan(self, epoch: int, host: str, port: int, members: dict) -> None:
+        self.seq += 1
+        self.plan = GroupPlan(self.seq, epoch, host, port, members)
+        self._wake()
+
+    def post_announce(self, epoch: int, version: int, probe: float) -> None:
+        self.seq += 1
+        self.announce = Announce(self.seq, epoch, version, probe)
+        self._wake()
+
+    def _wake(self) -> None:
+        import asyncio
+
+        self.posted.set()
+        self.posted = asyncio.Event()
+
+    def _next(self, after: int) -> GroupPlan | Announce | None:
+        """A newer plan first (it supersedes what was announced in an older group); else the
+        newest announcement, if it is for the current group."""
+        if self.plan is not None and self.plan.seq > after:
+            return self.plan
+        announce = self.announce
+        if announce is not None and announce.seq > after and announce.epoch == self.plan.epoch:
+            return announce
+        return None
+
+    async def poll(self, rank: int, who: dict, after: int, wait_s: float):
+        import asyncio
+
+        self._seen(rank, who)
+        posted = self.posted
+        if self._next(after) is None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(posted.wait(), wait_s)
+        self._seen(rank, who)
+        return self._next(after)
+
+    def _seen(self, rank: int, who: dict) -> None:
+        known = self.members.get(rank, {})
+        outcome = known.get("outcome") if known.get("incarnation") == who["incarnation"] else None
+        self.members[rank] = dict(who, seen=time.monotonic(), outcome=outcome)
+
+    def report(self, rank: int, incarnation: str, epoch: int, error: str | None) -> None:
+        """How searcher ``rank``'s latest part in group ``epoch`` ended (None: it went well)."""
+        known = self.members.get(rank)
+        if known is not None and known["incarnation"] == incarnation:
+            known["outcome"] = (epoch, error)
+            known["seen"] = time.monotonic()
+
+    def status(self) -> dict[int, dict]:
+        """searcher rank -> what it last said, with ``age``: seconds since it last did."""
+        now = time.monotonic()
+        return {rank: dict(info, age=now - info["seen"]) for rank, info in self.members.items()}
+
+
+class WeightGroup:
+    """One incarnation of the weight group: a torch process group built directly on a
+    PrefixStore (``tba_weights/<epoch>/``) of the driver's TCPStore, apart from the default
+    group (under torchrun the trainer's data-parallel one). vLLM's ``StatelessProcessGroup``
+    would push the bytes through the store, pickled: far too slow for hundreds of MB.
+
+    A version goes as flat buckets of one size, two in flight (``broadcast``): the store's
+    flat tensor in slices on the driver, slices of the staging copy on a searcher, so gloo
+    copies nothing; NCCL stages host memory through two buffers on the GPU. Every wait has the
+    caller's deadline, and the group's own timeout is the same, so an operation left behind
+    ends by itself. ``gloo`` binds to ``bind_host`` (the node's address as Ray knows it)."""
+
+    def __init__(
+        self,
+        backend: str,
+        host: str,
+        port: int,
+        epoch: int,
+        rank: int,
+        world: int,
+        timeout_s: float,
+        bind_host: str,
+        server=None,
+    ):
+        import datetime
+
+        import torch.distributed as dist
+
+        self.backend = backend
+        self.epoch = epoch
+        self.rank = rank
+        self.world = world
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            store = server or dist.TCPStore(host, port, is_master=False, timeout=timeout)
+            prefixed = dist.PrefixStore(f"tba_weights/{epoch}/", store)
+            if backend == "gloo":
+                # Private options (torch 2.13): the only way to bind gloo to one address.
+                options = dist.ProcessGroupGloo._Options()
+                options._timeout = timeout
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+                options._threads = 2  # two buckets in flight
+                self.pg = dist.ProcessGroupGloo(prefixed, rank, world, options)
+                self.device = torch.device("cpu")
+            else:
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                self.pg = dist.ProcessGroupNCCL(prefixed, rank, world, options)
+                self.device = torch.device("cuda", torch.cuda.current_device())
+        except RuntimeError as exc:  # gloo's rendezvous: "Connect timeout", "Socket Timeout"
+            raise WeightGroupError(
+                f"group {epoch} not formed within {timeout_s:g}s: {_first_line(exc)}"
+            ) from None
+
+    def broadcast(self, flat: torch.Tensor, bucket_bytes: int, deadline: float) -> None:
+        """Rank 0's ``flat`` (bytes, uint8) into every other rank's ``flat``, in buckets."""
+        import torch.distributed as dist
+
+        staged = flat.device != self.device  # NCCL, host memory: through two GPU buffers
+        wires = []
+        if staged:
+            size = min(bucket_bytes, flat.numel())
+            wires = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        in_flight: collections.deque = collections.deque()
+        for index, start in enumerate(range(0, flat.numel(), bucket_bytes)):
+            if len(in_flight) == 2:
+                self._landed(in_flight.popleft(), flat, deadline)
+            piece = flat[start : start + bucket_bytes]
+            wire = piece
+            if staged:
+                wire = wires[index % 2][: piece.numel()]
+                if self.rank == 0:
+                    wire.copy_(piece)
+            in_flight.append((self.pg.broadcast([wire], options), piece, wire))
+        while in_flight:
+            self._landed(in_flight.popleft(), flat, deadline)
+
+    def _landed(self, item: tuple, flat: torch.Tensor, deadline: float) -> None:
+        work, piece, wire = item
+        self.wait(work, deadline)
+        if wire is not piece and self.rank > 0:
+            piece.copy_(wire)  # before the buffer takes the bucket after next
+
+    def flag(self, value: float, deadline: float, total: bool = False) -> float:
+        """Rank 0's ``value`` to every rank, or (``total``) the sum of every rank's."""
+        import torch.distributed as dist
+
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        if total:
+            work = self.pg.allreduce([tensor], dist.AllreduceOptions())
+        else:
+            options = dist.BroadcastOptions()
+            options.rootRank = 0
+            work = self.pg.broadcast([tensor], options)
+        self.wait(work, deadline)
+        return tensor.item()
+
+    def wait(self, work, deadline: float) -> None:
+        """Wait for ``work`` until ``deadline`` (time.monotonic); its error, or the deadline
+        passed, as a WeightGroupError."""
+        import datetime
+
+        left = deadline - time.monotonic()
+        error = None
+        try:
+            if self.backend == "gloo":
+                work.wait(datetime.timedelta(seconds=max(left, 0.001)))
+            else:  # NCCL's wait(timeout) does not bound the CPU's wait: poll
+                while not work.is_completed() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                if work.is_completed():
+                    work.wait()
+                else:
+                    error = "the deadline passed"
+        except RuntimeError as exc:  # a peer's socket closed, or gloo's timeout
+            error = _first_line(exc)
+        if error is not None:
+            raise WeightGroupError(f"group {self.epoch}, rank {self.rank}: {error}")
+
+    def close(self) -> None:
+        """Abort the group and let it go on a thread of its own: its destructor waits for an
+        operation still in flight, which ends by the group's timeout at the latest."""
+        pg, self.pg = self.pg, None
+        if pg is None:
+            return
+        with contextlib.suppress(RuntimeError):
+            pg.abort()
+        threading.Thread(target=_let_go, args=(pg,), name="tba-group-close", daemon=True).start()
+
+
+def _let_go(pg) -> None:
+    del pg
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().split("\n")[0][:300]
+
+
+class GroupWeightSource:
+    """searcher.WeightSource over the weight group, in a searcher actor. ``start`` runs a thread
+    of its own that follows the board (plans, announcements) and receives each version into a
+    staging copy of the weights while the searcher generates; ``load_into`` hands the engine
+    the newest complete version between generate calls, so no version is ever half-loaded.
+
+    ``version()`` is the newest version complete in the staging copy; while the copy is being
+    overwritten, the version the engine already holds (nothing newer to load yet). Names,
+    shapes and dtypes (``layout``) travel once, with the actor's construction."""
+
+    POLL_S = 1.0  # the longest poll of the board: a receiver's heartbeat
+
+    def __init__(
+        self,
+        board,
+        layout: list,
+        dtype: torch.dtype,
+        backend: str,
+        bucket_bytes: int,
+        timeout_s: float,
+    ):
+        self.board = board
+        self.layout = layout
+        self.dtype = dtype
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.numel = sum(math.prod(shape) for _, _, shape in layout)
+        self.thread: threading.Thread | None = None  # the rest is made in start()
+
+    def start(self, rank: int, incarnation: str) -> None:
+        """In the actor's process: the staging copy, and the receiver thread."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        self.rank = rank
+        self.who = dict(
+            incarnation=incarnation,
+            node_id=ctx.get_node_id(),
+            node_ip=ray.util.get_node_ip_address(),
+            pid=os.getpid(),
+        )
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        pinned = self.backend == "nccl"  # the GPU buffers' copies to and from it are DMA
+        self.staging = torch.empty(self.numel * itemsize, dtype=torch.uint8, pin_memory=pinned)
+        self.cond = threading.Condition()  # held while the engine copies from the staging copy
+        self.staged: tuple[int, float] | None = None  # (version, probe) complete in staging
+        self.held: tuple[int, float] = (-1, 0.0)  # what load_into last handed the engine
+        self.group: WeightGroup | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="tba-weight-receiver", daemon=True)
+        self.thread.start()
+
+    def version(self) -> int:
+        if self.error is not None:
+            raise RuntimeError(f"searcher {self.rank}: the weight receiver died") from self.error
+        staged = self.staged
+        return staged[0] if staged is not None else self.held[0]
+
+    def load_into(
+        self, load_fn: Callable[[list[tuple[str, torch.Tensor]]], None]
+    ) -> tuple[int, float]:
+        with self.cond:
+            # version() saw a complete version that a new receive has begun to overwrite
+            # since: wait for that one (rare; one receive at most).
+            got = self.cond.wait_for(
+                lambda: self.staged is not None or self.error is not None, self.timeout_s
+            )
+            if not got or self.error is not None:
+                raise TimeoutError(f"searcher {self.rank}: no complete version to load")
+            flat = self.staging.view(self.dtype)
+            views = []
+            for name, offset, shape in self.layout:
+                views.append((name, flat[offset : offset + math.prod(shape)].view(shape)))
+            load_fn(views)
+            self.held = self.staged
+            return self.held
+
+    def _run(self) -> None:
+        import ray
+
+        after = -1
+        try:
+            while True:
+                poll = self.board.poll.remote(self.rank, self.who, after, self.POLL_S)
+                command = ray.get(poll, timeout=self.POLL_S + 60)
+                if command is None:
+                    continue
+                after = command.seq
+                if isinstance(command, GroupPlan):
+                    error = self._join(command)
+                elif self.group is not None and self.group.epoch == command.epoch:
+                    error = self._receive(command)
+                else:
+                    continue
+                if error is not False:  # False: not a member of this plan
+                    self.board.report.remote(
+                        self.rank, self.who["incarnation"], command.epoch, error
+                    )
+        except BaseException as exc:  # noqa: BLE001 (raised on the searcher's thread)
+            self.error = exc
+            with self.cond:
+                self.cond.notify_all()
+
+    def _join(self, plan: GroupPlan) -> str | bool | None:
+        """Leave the old group; join ``plan``'s if it names this incarnation. The error, None
+        when joined, False when not a member."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        group_rank = plan.members.get((self.rank, self.who["incarnation"]))
+        if group_rank is None:
+            return False
+        try:
+            self.group = WeightGroup(
+                self.backend,
+                plan.host,
+                plan.port,
+                plan.epoch,
+                group_rank,
+                plan.world,
+                self.timeout_s,
+                self.who["node_ip"],
+            )
+        except WeightGroupError as exc:
+            return str(exc)
+        return None
+
+    def _receive(self, announce: Announce) -> str | None:
+        """The announced version into the staging copy; then, if the driver says its bytes
+        were one version (``flag``), it is the newest complete one. The error, or None."""
+        deadline = time.monotonic() + self.timeout_s
+        with self.cond:
+            self.staged = None  # waits for a load in progress; from here it is being written
+        try:
+            self.group.broadcast(self.staging, self.bucket_bytes, deadline)
+            if self.group.flag(0.0, deadline) == 1.0:
+                with self.cond:
+                    self.staged = (announce.version, announce.probe)
+                    self.cond.notify_all()
+            self.group.flag(1.0, deadline, total=True)  # tell the driver it arrived
+        except WeightGroupError as exc:
+            self.group.close()
+            self.group = None
+            return str(exc)
+        return None
+
+
+class GroupSender:
+    """The driver's side of the weight group, on a thread of its own: it never waits for the
+    trainer, and the intake thread never waits for it. Each round:
+
+    1. Membership: the searchers whose receivers polled the board lately, less those killed as
+       stragglers. When it differs from the group's (a searcher restarted, or one is gone),
+       a new incarnation of the group is formed: a fresh prefix of the TCPStore, the plan on
+       the board, the rendezvous under the deadline.
+    2. The newest version the store holds, if the group lacks it (all of it: a searcher
+       that just joined gets a full copy): announced on the board, broadcast in buckets from
+       the store itself (a CUDA store over gloo: from a host snapshot, ``StoreSnapshot``),
+       then a flag saying whether the store's seqlock stayed put meanwhile (else the bytes
+       may mix two versions, and the receivers drop them), then a sum that tells the driver
+       every member has it.
+    3. On an error or the deadline (``timeout_s``): the group is closed, which ends its other
+       members' waits; a member that says how its part ended is a survivor, one whose process
+       Ray no longer runs is gone (Ray restarts it); one that says nothing by the deadline is
+       a straggler, handed to ``kill`` (Ray restarts it, and it joins at a later round).
+       ``MAX_FAILED_ROUNDS`` failures in a row stop the run (``error``, raised by the pool).
+
+    "Alive", before a round: polled the board within ``POLL_S`` + 2 s, and its process is the
+    one Ray runs for that searcher now (``pids``: searcher rank -> the pid of its live actor,
+    from Ray's actor table), so that a rendezvous never waits for a process already dead."""
+
+    MAX_FAILED_ROUNDS = 3
+    BOARD_EVERY_S = 0.25  # how often membership is read from the board
+
+    def __init__(
+        self,
+        store: WeightStore,
+        board,
+        backend: str,
+        bucket_bytes: int,
+        timeout_s: float,
+        host: str,
+        pids: Callable[[], dict[int, int]],
+        kill: Callable[[int, dict, str], None],
+        log: Callable[[str], None] = print,
+    ):
+        import datetime
+
+        import torch.distributed as dist
+
+        self.store = store
+        self.board = board
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.host = host
+        self.pids = pids
+        self.kill = kill
+        self.log = log
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # Port 0: the OS picks a free one; the plans carry it to the members.
+        self.server = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=timeout
+        )
+        self.snapshot = StoreSnapshot(store) if store.flat.is_cuda and backend == "gloo" else None
+        self.stream = torch.cuda.Stream(store.flat.device) if store.flat.is_cuda else None
+        self.epoch = 0
+        self.group: WeightGroup | None = None
+        self.members: dict[int, dict] = {}  # searcher rank -> what the board said, in the group
+        self.sent = -1  # the version every member of the group holds
+        self.status: dict[int, dict] = {}
+        self.status_at = 0.0
+        self.checked: dict | None = None  # the status self.running was read for
+        self.running: dict[int, int] = {}
+        self.killed: set[str] = set()  # incarnations killed as stragglers
+        self.failed_rounds = 0  # in a row
+        self.rebuilds = 0
+        self.seconds: list[float] = []  # per version: announced until every member had it
+        self.error: BaseException | None = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="tba-weight-sender", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.stopping.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+        if self.group is not None:
+            self.group.close()
+
+    def _run(self) -> None:
+        try:
+            if self.stream is not None:  # NCCL and the snapshot: none of the trainer's waits
+                torch.cuda.set_device(self.store.flat.device)
+            while not self.stopping.is_set():
+                self._round()
+        except BaseException as exc:  # noqa: BLE001 (raised by the pool's collect)
+            self.error = exc
+
+    def _read_board(self, force: bool = False) -> dict[int, dict]:
+        import ray
+
+        if force or time.monotonic() - self.status_at > self.BOARD_EVERY_S:
+            self.status = ray.get(self.board.status.remote(), timeout=60)
+            self.status_at = time.monotonic()
+        return self.status
+
+    def _alive(self) -> dict[int, dict]:
+        fresh = GroupWeightSource.POLL_S + 2.0
+        status = self._read_board()
+        if status is not self.checked:  # Ray's view of the processes, with each new status
+            self.checked = status
+            self.running = self.pids()
+        return {
+            rank: info
+            for rank, info in status.items()
+            if info["age"] < fresh
+            and info["incarnation"] not in self.killed
+            and self.running.get(rank) == info["pid"]
+        }
+
+    def _round(self) -> None:
+        members = self._alive()
+        same = {r: m["incarnation"] for r, m in members.items()} == {
+            r: m["incarnation"] for r, m in self.members.items()
+        }
+        if self.store.version() < 0 or not members or (same and self.store.version() <= self.sent):
+            self.stopping.wait(0.002)
+            return
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            if not same or self.group is None:
+                self._form(members)
+            with torch.cuda.stream(self.stream) if self.stream is not None else _nothing():
+                self._send(deadline)
+            self.failed_rounds = 0
+        except WeightGroupError as exc:
+            self._failed(exc, deadline)
+
+    def _form(self, members: dict[int, dict]) -> None:
+        import ray
+
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self.epoch += 1
+        self.members = members
+        self.sent = -1
+        ranks = {(r, m["incarnation"]): i + 1 for i, (r, m) in enumerate(sorted(members.items()))}
+        ray.get(
+            self.board.post_plan.remote(self.epoch, self.host, self.server.port, ranks), timeout=60
+        )
+        self.group = WeightGroup(
+            self.backend,
+            self.host,
+            self.server.port,
+            self.epoch,
+            0,
+            1 + len(ranks),
+            self.timeout_s,
+            self.host,
+            server=self.server,
+        )
+        self.rebuilds += 1
+
+    def _send(self, deadline: float) -> None:
+        header = self.store.header
+        seq = header[WeightStore.SEQ].item()
+        if seq % 2:
+            return  # a publish is under way: the next round sends it
+        if self.snapshot is not None:
+            read = self.snapshot.read()
+            if read is None:
+                return
+            version, probe, flat = read
+        else:
+            version = int(header[WeightStore.VERSION].item())
+            probe = header[WeightStore.PROBE].item()
+            flat = self.store.flat
+        t0 = time.perf_counter()
+        self.board.post_announce.remote(self.epoch, version, probe)
+        self.group.broadcast(flat.view(-1).view(torch.uint8), self.bucket_bytes, deadline)
+        whole = self.snapshot is not None or header[WeightStore.SEQ].item() == seq
+        self.group.flag(1.0 if whole else 0.0, deadline)
+        arrived = self.group.flag(0.0, deadline, total=True)
+        if arrived != len(self.members):
+            raise WeightGroupError(f"{arrived:g} of {len(self.members)} members confirmed")
+        if whole:
+            self.sent = version
+            self.seconds.append(time.perf_counter() - t0)
+
+    def _failed(self, error: WeightGroupError, deadline: float) -> None:
+        """Close the group, sort its members into survivors and stragglers, and say so."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        members, self.members = self.members, {}
+        epoch = self.epoch
+        failed_at = time.monotonic()
+        quiet = dict(members)
+        # A survivor's part ends soon after the group closes (its peer's socket is gone), or
+        # by the group's own timeout at the latest.
+        while quiet and time.monotonic() < deadline + GroupWeightSource.POLL_S + 2.0:
+            status = self._read_board(force=True)
+            running = self.pids()
+            for rank in list(quiet):
+                now = status.get(rank, quiet[rank])
+                gone = running.get(rank) != quiet[rank]["pid"]
+                reported = now["outcome"] is not None and now["outcome"][0] == epoch
+                restarted = now["incarnation"] != quiet[rank]["incarnation"]
+                if gone or reported or restarted or now["age"] < time.monotonic() - failed_at:
+                    del quiet[rank]
+            if quiet:
+                self.stopping.wait(0.05)
+        for rank, info in quiet.items():
+            self.killed.add(info["incarnation"])
+            self.kill(rank, info, f"missed the weight group's deadline ({error})")
+        self.failed_rounds += 1
+        survivors = sorted(set(members) - set(quiet))
+        self.log(f"weight group {epoch} failed ({error}); rebuilding it with searchers {survivors}")
+        if self.failed_rounds >= self.MAX_FAILED_ROUNDS:
+            raise SearcherFailed(
+                f"the weight group failed {self.failed_rounds} rounds in a row; the last: {error}"
+            )
+
+    def describe(self) -> dict:
+        """The path and its seconds per version (median), for the run summary."""
+        out = {
+            "path": f"broadcast ({self.backend}, buckets of {self.bucket_bytes >> 20} MiB)",
+            "versions_sent": len(self.seconds),
+            "group_rebuilds": self.rebuilds,
+        }
+        if self.seconds:
+            out["seconds_per_version"] = statistics.median(self.seconds)
+        return out
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
 
 
 # ----------------------------------------------------------------------------- driver side
@@ -369,8 +1048,10 @@ class StoreSnapshot:
 class RaySearcherPool:
     """``SearcherPool``'s interface over searcher actors on a Ray cluster (the module docstring
     says how): ``start``, ``wait_ready``, ``collect`` (the intake thread), ``metrics`` (the main
-    thread; a lock keeps the two apart), ``stop``. When ``start`` connects, this repository is
-    the job's working directory, uploaded to every node (model paths must exist there)."""
+    thread; a lock keeps the two apart), ``stop``; and ``describe``, what ran where. When
+    ``start`` connects, this repository is the job's working directory, uploaded to every node
+    (model paths must exist there). Weights go by the weight group (``GroupSender``, on a
+    thread of its own) or, with --ray_weights object_store, by ``ray.put`` in ``collect``."""
 
     def __init__(
         self,
@@ -388,7 +1069,17 @@ class RaySearcherPool:
         self.make = make
         self.log = log
         self.ray_cfg = ray_cfg
+        need(
+            ray_cfg.ray_weights != BROADCAST or ray_cfg.ray_weights_timeout_s < cfg.timeout_s,
+            f"--ray_weights_timeout_s {ray_cfg.ray_weights_timeout_s:g} must be less than "
+            f"--timeout_s {cfg.timeout_s:g}: a broken weight group is rebuilt before the run's "
+            "own waits give up",
+        )
         on_gpu = cfg.searcher_device_list()[0].startswith("cuda")
+        need(
+            ray_cfg.ray_weights != BROADCAST or ray_cfg.ray_backend != "nccl" or on_gpu,
+            "--ray_backend nccl needs the searchers on GPUs (--searcher_devices cuda)",
+        )
         self.num_gpus = 1.0 if on_gpu else 0.0
         # Each actor sees its own GPU as cuda:0 (Ray sets CUDA_VISIBLE_DEVICES), or the CPU; it
         # runs in Ray's copy of this directory, so a local model path goes as an absolute one
@@ -415,6 +1106,9 @@ class RaySearcherPool:
         self.lock = threading.Lock()
         self.connected_here = False
         self.board = None
+        self.sender: GroupSender | None = None
+        self.broadcast_seen = 0  # of sender.seconds, already in a metrics row
+        self.nodes: dict[int, dict] = {}  # rank -> info() of its newest incarnation seen
         self.actors: list = []
         self.pending: dict = {}  # ObjectRef of a next_batch call -> rank
         self.incarnations: dict[int, str] = {}  # rank -> the newest incarnation seen
@@ -425,6 +1119,8 @@ class RaySearcherPool:
         self.put_ref = None
         self.put_probe = 0.0
         self.put_s: list[float] = []
+        self.put_all: list[float] = []  # every put's seconds, for describe()
+        self.put_count = 0
         self.snapshot: StoreSnapshot | None = None  # made on the intake thread, where it reads
         self.board_set_at = 0.0
         self.arrived: list = []  # BatchStats since the last metrics()
@@ -441,23 +1137,56 @@ class RaySearcherPool:
             runtime_env = {"working_dir": str(REPO_DIR), "excludes": CODE_EXCLUDES}
             connect(self.ray_cfg.ray, runtime_env=runtime_env)
             self.connected_here = True
-        here = ray.get_runtime_context().get_node_id()
-        self.board = (
-            ray.remote(WeightBoard)
-            .options(
-                num_cpus=0,
-                max_restarts=-1,  # empty after a restart: collect sets it again each second
-                scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-            )
-            .remote()
-        )
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), False)
         layout = list(self.store.layout)
+        if self.ray_cfg.ray_weights == BROADCAST:
+            # The board's state is the group's: if it dies, the sender's next call raises.
+            self.board = (
+                ray.remote(GroupBoard).options(num_cpus=0, scheduling_strategy=here).remote()
+            )
+            bucket = self.ray_cfg.ray_bucket_mb << 20
+            self.sender = GroupSender(
+                self.store,
+                self.board,
+                self.ray_cfg.ray_backend,
+                bucket,
+                self.ray_cfg.ray_weights_timeout_s,
+                ray.util.get_node_ip_address(),
+                pids=self._pids,
+                kill=self._kill_straggler,
+                log=self.log,
+            )
+            self.sender.start()
+
+            def source():
+                return GroupWeightSource(
+                    self.board,
+                    layout,
+                    self.store.flat.dtype,
+                    self.ray_cfg.ray_backend,
+                    bucket,
+                    self.ray_cfg.ray_weights_timeout_s,
+                )
+        else:
+            self.board = (
+                ray.remote(WeightBoard)
+                .options(
+                    num_cpus=0,
+                    max_restarts=-1,  # empty after a restart: collect sets it again each second
+                    scheduling_strategy=here,
+                )
+                .remote()
+            )
+
+            def source():
+                return RayWeightSource(self.board, layout, self.store.flat.dtype)
+
         actor_class = ray.remote(SearcherActor)
         # torch threads: the CPUs each actor asked Ray for (cfg's share of this machine's cores
         # means nothing on another node).
         threads = self.cfg.torch_threads or max(1, int(self.ray_cfg.ray_cpus_per_searcher))
         for setup in self.setups:
-            setup.store = RayWeightSource(self.board, layout, self.store.flat.dtype)
+            setup.store = source()
             actor = actor_class.options(
                 num_cpus=self.ray_cfg.ray_cpus_per_searcher,
                 num_gpus=self.num_gpus,
@@ -482,8 +1211,9 @@ class RaySearcherPool:
                 try:
                     info = ray.get(ref)
                 except RayError as exc:
-                    raise SearcherFailed(f"searcher actor {rank} failed to start:\n{exc}") from exc
+                    raise SearcherFailed(f"{self.where_is(rank)} failed to start:\n{exc}") from exc
                 self._seen(rank, info["incarnation"])
+                self.nodes[rank] = info
                 self.ready_ranks.add(rank)
             if refs and time.monotonic() > deadline:
                 raise NoRayCluster(
@@ -507,7 +1237,13 @@ class RaySearcherPool:
         import ray
         from ray.exceptions import RayError
 
-        self._publish_newest()
+        if self.sender is None:
+            self._publish_newest()
+        elif self.sender.error is not None:
+            error = self.sender.error
+            if isinstance(error, SearcherFailed):
+                raise error
+            raise SearcherFailed(f"the weight group's sender failed: {error!r}") from error
         busy = dict.fromkeys(range(len(self.actors)), 0)
         for rank in self.pending.values():
             busy[rank] += 1
@@ -554,6 +1290,8 @@ class RaySearcherPool:
                 version, probe, flat = read
                 ref = ray.put(flat.view(torch.uint8).numpy())  # bf16: as bytes
                 self.put_s.append(time.perf_counter() - t0)
+                self.put_all.append(self.put_s[-1])
+                self.put_count += 1
                 self.put_version, self.put_probe, self.put_ref = version, probe, ref
                 self.board_set_at = 0.0
         if self.put_ref is not None and time.monotonic() - self.board_set_at > 1.0:
@@ -568,9 +1306,11 @@ class RaySearcherPool:
             return
         self.restarts += 1
         limit = self.cfg.max_searcher_restarts
-        self.log(f"searcher {rank} is back (restart {self.restarts}/{limit})")
+        self.log(f"{self.where_is(rank)} is back (restart {self.restarts}/{limit})")
         if self.restarts > limit:
-            raise SearcherFailed(f"searcher {rank} restarted; {self.restarts} restarts of {limit}")
+            raise SearcherFailed(
+                f"{self.where_is(rank)} restarted; {self.restarts} restarts of {limit}"
+            )
 
     def _call_failed(self, rank: int, error: BaseException) -> None:
         import ray
@@ -579,7 +1319,7 @@ class RaySearcherPool:
         limit = self.cfg.max_searcher_restarts
         if isinstance(error, ActorDiedError):  # Ray will not restart it: max_restarts used
             raise SearcherFailed(
-                f"searcher {rank} died and Ray will not restart it ({self.restarts} restarts "
+                f"{self.where_is(rank)} died and Ray will not restart it ({self.restarts} restarts "
                 f"used of {limit}):\n{error}"
             )
         if isinstance(error, RayActorError):  # ActorUnavailableError: restarting; issued again
@@ -587,19 +1327,20 @@ class RaySearcherPool:
             return
         cause = error.cause if isinstance(error, RayTaskError) else error
         if isinstance(cause, WeightsNotLoaded):
-            raise SearcherFailed(f"searcher {rank}: its weights did not arrive:\n{error}")
+            raise SearcherFailed(f"{self.where_is(rank)}: its weights did not arrive:\n{error}")
         if self.restarts >= limit:
             raise SearcherFailed(
-                f"searcher {rank} raised; {self.restarts} restarts used of {limit}:\n{error}"
+                f"{self.where_is(rank)} raised; {self.restarts} restarts used of {limit}:\n{error}"
             )
-        self.log(f"searcher {rank} raised; restarting it:\n{error}")
+        self.log(f"{self.where_is(rank)} raised; restarting it:\n{error}")
         ray.kill(self.actors[rank], no_restart=False)  # Ray restarts it: a new incarnation
 
     # --- the main thread
 
     def metrics(self) -> dict[str, float]:
-        """SearcherPool's metrics, plus calls in flight, calls lost to actor deaths and the
-        seconds of each ray.put of a version."""
+        """SearcherPool's metrics, plus calls in flight, calls lost to actor deaths, and the
+        seconds of each version's broadcast (announced until every member had it) and the
+        weight group's rebuilds, or of each ray.put of a version."""
         with self.lock:
             arrived, self.arrived = self.arrived, []
             put_s, self.put_s = self.put_s, []
@@ -611,8 +1352,75 @@ class RaySearcherPool:
             }
             if put_s:
                 out["time/ray_put"] = statistics.fmean(put_s)
+            if self.sender is not None:
+                sent = self.sender.seconds[self.broadcast_seen :]
+                self.broadcast_seen += len(sent)
+                if sent:
+                    out["time/ray_broadcast"] = statistics.fmean(sent)
+                out["async/weight_group_rebuilds"] = float(self.sender.rebuilds)
+                out["async/weight_group_size"] = float(len(self.sender.members))
             out.update(searcher_metrics(arrived, self.latest))
             return out
+
+    def _actor_records(self) -> dict[int, dict]:
+        """rank -> Ray's record of its actor now (state, pid, node), from the GCS: no call
+        into the actor. A private name (ray._private.state), hence the pinned Ray."""
+        from ray._private.state import state
+
+        records = {}
+        for rank, actor in enumerate(self.actors):
+            records[rank] = state.actor_table(actor._actor_id.hex()) or {}
+        return records
+
+    def _pids(self) -> dict[int, int]:
+        """rank -> the pid of its actor, where Ray runs it now (state ALIVE)."""
+        return {
+            rank: record["Pid"]
+            for rank, record in self._actor_records().items()
+            if record.get("State") == "ALIVE"
+        }
+
+    def where_is(self, rank: int) -> str:
+        """'searcher R on node IP (NODE_ID)', from Ray's record of its actor."""
+        address = self._actor_records().get(rank, {}).get("Address", {})
+        node = address.get("NodeID", "?")
+        return f"searcher {rank} on node {address.get('IPAddress', '?')} ({node[:12]})"
+
+    def _kill_straggler(self, rank: int, info: dict, why: str) -> None:
+        """The weight group's straggler: kill its process if Ray still runs that one (a
+        process already gone is Ray's to restart), counted as a restart when it is back."""
+        import ray
+
+        where = f"searcher {rank} on node {info['node_ip']} ({info['node_id'][:12]})"
+        if self._pids().get(rank) != info["pid"]:
+            self.log(f"{where} {why}; its process is gone, Ray restarts it")
+            return
+        self.log(f"{where} {why}; killed, Ray restarts it")
+        ray.kill(self.actors[rank], no_restart=False)
+
+    def describe(self) -> dict:
+        """What ran: each searcher's node, engine and device, and the weight path with its
+        seconds per version (the run summary's ``ran``)."""
+        records = self._actor_records()
+        searchers = {}
+        for rank in range(len(self.actors)):
+            info = self.nodes.get(rank, {})
+            address = records.get(rank, {}).get("Address", {})
+            searchers[str(rank)] = {
+                "node": address.get("IPAddress", info.get("node_ip")),
+                "node_id": address.get("NodeID", info.get("node_id")),
+                "engine": info.get("engine"),
+                "device": info.get("device"),
+                "ray_actor": True,
+            }
+        if self.sender is not None:
+            weights = self.sender.describe()
+        else:
+            weights = {"path": "Ray object store (ray.put, a pull per node)"}
+            weights["versions_sent"] = self.put_count
+            if self.put_all:
+                weights["put_seconds_per_version"] = statistics.median(self.put_all)
+        return {"searchers": searchers, "weights": weights}
 
     def where(self, timeout: float = 30.0) -> dict[int, dict]:
         """rank -> info() of each actor now (pid, node, incarnation): for tests and logs."""
@@ -632,6 +1440,10 @@ class RaySearcherPool:
 
         if not ray.is_initialized():
             return
+        if self.sender is not None:
+            self.sender.stop(timeout)
+        with contextlib.suppress(RayError):
+            record_ran(self.cfg.output_dir, self.describe())
         for actor in [*self.actors, self.board]:
             if actor is not None:
                 with contextlib.suppress(RayError):
