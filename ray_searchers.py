@@ -372,10 +372,12 @@ class WeightGroupError(RuntimeError):
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """One incarnation of the weight group (``epoch``): where its rendezvous is (the driver's
-    TCPStore) and who is in it, ``members``: (searcher rank, incarnation) -> group rank."""
+    """One incarnation of the weight group (``epoch``), formed in the driver's round ``round``:
+    where its rendezvous is (the driver's TCPStore) and who is in it, ``members``: (searcher
+    rank, incarnation) -> group rank."""
 
     seq: int
+    round: int
     epoch: int
     host: str
     port: int
@@ -388,9 +390,11 @@ class GroupPlan:
 
 @dataclass(frozen=True)
 class Announce:
-    """Version ``version`` (published with ``probe``) is broadcast in group ``epoch`` now."""
+    """Version ``version`` (published with ``probe``) is broadcast in group ``epoch`` now, in the
+    driver's round ``round``."""
 
     seq: int
+    round: int
     epoch: int
     version: int
     probe: float
@@ -410,15 +414,22 @@ class GroupBoard:
         self.announce: Announce | None = None
         self.posted = asyncio.Event()
         self.members: dict[int, dict] = {}  # searcher rank -> what it last said, and when
+        self.closed = 0  # the newest epoch the driver gave up
 
-    def post_plan(self, epoch: int, host: str, port: int, members: dict) -> None:
+    def post_closed(self, epoch: int) -> None:
+        self.closed = max(self.closed, epoch)
+
+    def is_closed(self, epoch: int) -> bool:
+        return epoch <= self.closed
+
+    def post_plan(self, round: int, epoch: int, host: str, port: int, members: dict) -> None:
         self.seq += 1
-        self.plan = GroupPlan(self.seq, epoch, host, port, members)
+        self.plan = GroupPlan(self.seq, round, epoch, host, port, members)
         self._wake()
 
-    def post_announce(self, epoch: int, version: int, probe: float) -> None:
+    def post_announce(self, round: int, epoch: int, version: int, probe: float) -> None:
         self.seq += 1
-        self.announce = Announce(self.seq, epoch, version, probe)
+        self.announce = Announce(self.seq, round, epoch, version, probe)
         self._wake()
 
     def _wake(self) -> None:
@@ -453,11 +464,11 @@ class GroupBoard:
         outcome = known.get("outcome") if known.get("incarnation") == who["incarnation"] else None
         self.members[rank] = dict(who, seen=time.monotonic(), outcome=outcome)
 
-    def report(self, rank: int, incarnation: str, epoch: int, error: str | None) -> None:
-        """How searcher ``rank``'s latest part in group ``epoch`` ended (None: it went well)."""
+    def report(self, rank: int, incarnation: str, round: int, error: str | None) -> None:
+        """How searcher ``rank``'s part in the driver's round ``round`` ended (None: well)."""
         known = self.members.get(rank)
         if known is not None and known["incarnation"] == incarnation:
-            known["outcome"] = (epoch, error)
+            known["outcome"] = (round, error)
             known["seen"] = time.monotonic()
 
     def status(self) -> dict[int, dict]:
@@ -478,6 +489,8 @@ class WeightGroup:
     caller's deadline, and the group's own timeout is the same, so an operation left behind
     ends by itself. ``gloo`` binds to ``bind_host`` (the node's address as Ray knows it)."""
 
+    CHECK_S = 0.25  # how often a wait asks ``abandon``
+
     def __init__(
         self,
         backend: str,
@@ -489,6 +502,7 @@ class WeightGroup:
         timeout_s: float,
         bind_host: str,
         server=None,
+        abandon: Callable[[], str | None] | None = None,
     ):
         import datetime
 
@@ -498,6 +512,7 @@ class WeightGroup:
         self.epoch = epoch
         self.rank = rank
         self.world = world
+        self.abandon = abandon  # -> why the round is to be given up, or None
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
             store = server or dist.TCPStore(host, port, is_master=False, timeout=timeout)
@@ -566,40 +581,45 @@ class WeightGroup:
         return tensor.item()
 
     def wait(self, work, deadline: float) -> None:
-        """Wait for ``work`` until ``deadline`` (time.monotonic); its error, or the deadline
-        passed, as a WeightGroupError."""
-        import datetime
-
-        left = deadline - time.monotonic()
+        """Wait for ``work`` until ``deadline`` (time.monotonic), asking ``abandon`` every
+        ``CHECK_S``: its error, the deadline passed, or the round abandoned (a member's process
+        gone, the group closed by the driver) as a WeightGroupError. A peer's death does not
+        always fail gloo's operations at once (a blocked send waits for its timeout), hence
+        the check. Polled: NCCL's wait(timeout) does not bound the CPU's wait."""
         error = None
+        checked = time.monotonic()
         try:
-            if self.backend == "gloo":
-                work.wait(datetime.timedelta(seconds=max(left, 0.001)))
-            else:  # NCCL's wait(timeout) does not bound the CPU's wait: poll
-                while not work.is_completed() and time.monotonic() < deadline:
-                    time.sleep(0.001)
-                if work.is_completed():
-                    work.wait()
-                else:
+            while not work.is_completed():
+                now = time.monotonic()
+                if now > deadline:
                     error = "the deadline passed"
-        except RuntimeError as exc:  # a peer's socket closed, or gloo's timeout
+                    break
+                if self.abandon is not None and now - checked > self.CHECK_S:
+                    checked = now
+                    error = self.abandon()
+                    if error:
+                        break
+                time.sleep(0.0005)
+            else:
+                work.wait()  # raises the operation's error
+        except RuntimeError as exc:  # gloo: a peer's socket closed, or its own timeout
             error = _first_line(exc)
         if error is not None:
             raise WeightGroupError(f"group {self.epoch}, rank {self.rank}: {error}")
 
     def close(self) -> None:
-        """Abort the group and let it go on a thread of its own: its destructor waits for an
-        operation still in flight, which ends by the group's timeout at the latest."""
-        pg, self.pg = self.pg, None
-        if pg is None:
+        """Let the group go on a thread of its own: its destructor waits for an operation
+        still in flight, which ends by the group's timeout at the latest. (gloo's abort()
+        ended nothing sooner here, and once left a survivor waiting past its own timeout.)"""
+        if self.pg is None:
             return
-        with contextlib.suppress(RuntimeError):
-            pg.abort()
-        threading.Thread(target=_let_go, args=(pg,), name="tba-group-close", daemon=True).start()
+        held = [self.pg]  # the only reference from here: the thread drops it, not the caller
+        self.pg = None
+        threading.Thread(target=_let_go, args=(held,), name="tba-group-close", daemon=True).start()
 
 
-def _let_go(pg) -> None:
-    del pg
+def _let_go(held: list) -> None:
+    held.pop()  # the group's destructor runs here, on this thread
 
 
 def _first_line(error: BaseException) -> str:
@@ -648,9 +668,7 @@ class GroupWeightSource:
             node_ip=ray.util.get_node_ip_address(),
             pid=os.getpid(),
         )
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        pinned = self.backend == "nccl"  # the GPU buffers' copies to and from it are DMA
-        self.staging = torch.empty(self.numel * itemsize, dtype=torch.uint8, pin_memory=pinned)
+        self.staging = self._new_staging()
         self.cond = threading.Condition()  # held while the engine copies from the staging copy
         self.staged: tuple[int, float] | None = None  # (version, probe) complete in staging
         self.held: tuple[int, float] = (-1, 0.0)  # what load_into last handed the engine
@@ -703,7 +721,7 @@ class GroupWeightSource:
                     continue
                 if error is not False:  # False: not a member of this plan
                     self.board.report.remote(
-                        self.rank, self.who["incarnation"], command.epoch, error
+                        self.rank, self.who["incarnation"], command.round, error
                     )
         except BaseException as exc:  # noqa: BLE001 (raised on the searcher's thread)
             self.error = exc
@@ -729,6 +747,7 @@ class GroupWeightSource:
                 plan.world,
                 self.timeout_s,
                 self.who["node_ip"],
+                abandon=functools.partial(self._closed, plan.epoch),
             )
         except WeightGroupError as exc:
             return str(exc)
@@ -750,7 +769,23 @@ class GroupWeightSource:
         except WeightGroupError as exc:
             self.group.close()
             self.group = None
+            # An operation given up may still write into the old copy: receive into a new one.
+            with self.cond:
+                self.staging = self._new_staging()
             return str(exc)
+        return None
+
+    def _new_staging(self) -> torch.Tensor:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        pinned = self.backend == "nccl"  # the GPU buffers' copies to and from it are DMA
+        return torch.empty(self.numel * itemsize, dtype=torch.uint8, pin_memory=pinned)
+
+    def _closed(self, epoch: int) -> str | None:
+        """The driver gave group ``epoch`` up (WeightGroup's ``abandon``)."""
+        import ray
+
+        if ray.get(self.board.is_closed.remote(epoch), timeout=60):
+            return "the driver closed the group"
         return None
 
 
@@ -767,11 +802,13 @@ class GroupSender:
        the store itself (a CUDA store over gloo: from a host snapshot, ``StoreSnapshot``),
        then a flag saying whether the store's seqlock stayed put meanwhile (else the bytes
        may mix two versions, and the receivers drop them), then a sum that tells the driver
-       every member has it.
-    3. On an error or the deadline (``timeout_s``): the group is closed, which ends its other
-       members' waits; a member that says how its part ended is a survivor, one whose process
-       Ray no longer runs is gone (Ray restarts it); one that says nothing by the deadline is
-       a straggler, handed to ``kill`` (Ray restarts it, and it joins at a later round).
+       every member has it. While it waits, the driver asks Ray every quarter second whether
+       each member's process is still the one it runs, and gives the round up if not.
+    3. On an error, a member gone or the deadline (``timeout_s``): the group is closed on
+       the board, and its other members give their part up within a quarter second (they
+       ask too); a member that says how its part ended is a survivor, one whose process Ray
+       no longer runs is gone (Ray restarts it); one that says nothing by the deadline is a
+       straggler, handed to ``kill`` (Ray restarts it, and it joins at a later round).
        ``MAX_FAILED_ROUNDS`` failures in a row stop the run (``error``, raised by the pool).
 
     "Alive", before a round: polled the board within ``POLL_S`` + 2 s, and its process is the
@@ -814,6 +851,8 @@ class GroupSender:
         self.snapshot = StoreSnapshot(store) if store.flat.is_cuda and backend == "gloo" else None
         self.stream = torch.cuda.Stream(store.flat.device) if store.flat.is_cuda else None
         self.epoch = 0
+        self.round = 0  # the rounds that did something
+        self.sending: int | None = None  # the version of the round under way
         self.group: WeightGroup | None = None
         self.members: dict[int, dict] = {}  # searcher rank -> what the board said, in the group
         self.sent = -1  # the version every member of the group holds
@@ -879,6 +918,7 @@ class GroupSender:
             self.stopping.wait(0.002)
             return
         deadline = time.monotonic() + self.timeout_s
+        self.round += 1
         try:
             if not same or self.group is None:
                 self._form(members)
@@ -887,6 +927,8 @@ class GroupSender:
             self.failed_rounds = 0
         except WeightGroupError as exc:
             self._failed(exc, deadline)
+        finally:
+            self.sending = None
 
     def _form(self, members: dict[int, dict]) -> None:
         import ray
@@ -899,7 +941,8 @@ class GroupSender:
         self.sent = -1
         ranks = {(r, m["incarnation"]): i + 1 for i, (r, m) in enumerate(sorted(members.items()))}
         ray.get(
-            self.board.post_plan.remote(self.epoch, self.host, self.server.port, ranks), timeout=60
+            self.board.post_plan.remote(self.round, self.epoch, self.host, self.server.port, ranks),
+            timeout=60,
         )
         self.group = WeightGroup(
             self.backend,
@@ -911,6 +954,7 @@ class GroupSender:
             self.timeout_s,
             self.host,
             server=self.server,
+            abandon=self._member_gone,
         )
         self.rebuilds += 1
 
@@ -929,7 +973,8 @@ class GroupSender:
             probe = header[WeightStore.PROBE].item()
             flat = self.store.flat
         t0 = time.perf_counter()
-        self.board.post_announce.remote(self.epoch, version, probe)
+        self.sending = version
+        self.board.post_announce.remote(self.round, self.epoch, version, probe)
         self.group.broadcast(flat.view(-1).view(torch.uint8), self.bucket_bytes, deadline)
         whole = self.snapshot is not None or header[WeightStore.SEQ].item() == seq
         self.group.flag(1.0 if whole else 0.0, deadline)
@@ -940,26 +985,42 @@ class GroupSender:
             self.sent = version
             self.seconds.append(time.perf_counter() - t0)
 
+    def _member_gone(self) -> str | None:
+        """A member whose process Ray no longer runs (WeightGroup's ``abandon``)."""
+        running = self.pids()
+        gone = [rank for rank, m in self.members.items() if running.get(rank) != m["pid"]]
+        return f"the process of searcher(s) {gone} is gone" if gone else None
+
     def _failed(self, error: WeightGroupError, deadline: float) -> None:
-        """Close the group, sort its members into survivors and stragglers, and say so."""
+        """Close the group (its members give their part up), sort its members into
+        survivors, the gone and stragglers (killed), and say so."""
+        import ray
+
         if self.group is not None:
             self.group.close()
             self.group = None
+        ray.get(self.board.post_closed.remote(self.epoch), timeout=60)
         members, self.members = self.members, {}
         epoch = self.epoch
+        round = self.round
         failed_at = time.monotonic()
         quiet = dict(members)
+        gone = []
         # A survivor's part ends soon after the group closes (its peer's socket is gone), or
-        # by the group's own timeout at the latest.
-        while quiet and time.monotonic() < deadline + GroupWeightSource.POLL_S + 2.0:
+        # by the group's own timeout at the latest, and it reports within moments.
+        while quiet and time.monotonic() < deadline + 2.0:
             status = self._read_board(force=True)
             running = self.pids()
             for rank in list(quiet):
                 now = status.get(rank, quiet[rank])
-                gone = running.get(rank) != quiet[rank]["pid"]
-                reported = now["outcome"] is not None and now["outcome"][0] == epoch
+                if running.get(rank) != quiet[rank]["pid"]:
+                    gone.append(rank)  # Ray restarts it
+                    del quiet[rank]
+                    continue
+                reported = now["outcome"] is not None and now["outcome"][0] == round
                 restarted = now["incarnation"] != quiet[rank]["incarnation"]
-                if gone or reported or restarted or now["age"] < time.monotonic() - failed_at:
+                polled = now["age"] < time.monotonic() - failed_at
+                if reported or restarted or polled:
                     del quiet[rank]
             if quiet:
                 self.stopping.wait(0.05)
@@ -967,8 +1028,11 @@ class GroupSender:
             self.killed.add(info["incarnation"])
             self.kill(rank, info, f"missed the weight group's deadline ({error})")
         self.failed_rounds += 1
-        survivors = sorted(set(members) - set(quiet))
-        self.log(f"weight group {epoch} failed ({error}); rebuilding it with searchers {survivors}")
+        survivors = sorted(set(members) - set(quiet) - set(gone))
+        self.log(
+            f"weight group {epoch} failed ({error}); searchers whose process is gone: "
+            f"{sorted(gone)}, killed: {sorted(quiet)}; rebuilding it with {survivors}"
+        )
         if self.failed_rounds >= self.MAX_FAILED_ROUNDS:
             raise SearcherFailed(
                 f"the weight group failed {self.failed_rounds} rounds in a row; the last: {error}"
@@ -1388,10 +1452,16 @@ class RaySearcherPool:
 
     def _kill_straggler(self, rank: int, info: dict, why: str) -> None:
         """The weight group's straggler: kill its process if Ray still runs that one (a
-        process already gone is Ray's to restart), counted as a restart when it is back."""
+        process already gone is Ray's to restart), counted as a restart when it is back; with
+        no restart left, stop the run (SearcherFailed, raised by ``collect``)."""
         import ray
 
         where = f"searcher {rank} on node {info['node_ip']} ({info['node_id'][:12]})"
+        limit = self.cfg.max_searcher_restarts
+        if self.restarts >= limit:
+            raise SearcherFailed(
+                f"{where} {why}; no restart left ({self.restarts} used of {limit})"
+            )
         if self._pids().get(rank) != info["pid"]:
             self.log(f"{where} {why}; its process is gone, Ray restarts it")
             return
