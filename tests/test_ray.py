@@ -1,11 +1,15 @@
 """Searchers as Ray actors (ray_searchers.py) on a multi-node Ray cluster that this module starts
 on one machine: ``ray.cluster_utils.Cluster`` with a head and three worker raylets, every address
 127.0.0.1, token authentication on (RAY_AUTH_MODE=token). Batches reach the driver with their
-version tags and the parity check, at most ray_in_flight calls per actor; an actor killed
-(restarted, counted); a node removed mid-run (its actor comes back on a node with room and loads
-the newest version); the main job with --ray whose driver is SIGKILLed (its actors die, and
---resume continues); a client without the cluster's token refused with a clear error. The
-module's teardown fails if any process of the cluster is left.
+version tags and the parity check, at most ray_in_flight calls per actor, the weights by the
+weight group or the object store; the weight group itself, outside Ray, with a member killed
+mid-broadcast and one hung past the deadline; an actor killed mid-broadcast (the others go on,
+it comes back with a full copy) and one hung past the deadline (killed; with no restart left,
+the run stops naming it and its node); a node removed mid-broadcast (its actor comes back on a
+node with room and loads the newest version); the main job with --ray whose driver is
+SIGKILLed (its actors die, and --resume continues, saying what ran where); a client without
+the cluster's token refused with a clear error. The module's teardown fails if any process of
+the cluster is left.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import multiprocessing
 import os
 import secrets
 import shutil
@@ -20,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +46,7 @@ from checks import CheckedSearcher, ParityProbe, weights_checksum
 from engines import WeightStore, load_causal_lm, pad_token_id
 from helpers import REPO, start_cli_run, time_limit
 from rewards import gsm8k_reward
+from searcher import SearcherFailed
 from test_tba import tiny_examples
 
 pytestmark = pytest.mark.slow  # a Ray cluster of four raylets on this machine, for the module
@@ -231,10 +238,10 @@ class Publisher:
         self.checksums[version] = weights_checksum(self.store.views())
 
 
-def make_pool(cluster, cfg, examples, publisher, in_flight: int = 2):
+def make_pool(cluster, cfg, examples, publisher, in_flight: int = 2, log=print, **ray_flags):
     """Searchers checked as a run with --parity_check checks them, on the worker raylets."""
     ray_cfg = ray_searchers.RayConfig(
-        ray=cluster.address, ray_in_flight=in_flight, ray_resources="searcher=1"
+        ray=cluster.address, ray_in_flight=in_flight, ray_resources="searcher=1", **ray_flags
     )
     return ray_searchers.RaySearcherPool(
         cfg,
@@ -242,6 +249,7 @@ def make_pool(cluster, cfg, examples, publisher, in_flight: int = 2):
         gsm8k_reward,
         publisher.store,
         make=functools.partial(CheckedSearcher, parity=publisher.probe),
+        log=log,
         ray_cfg=ray_cfg,
     )
 
@@ -263,15 +271,148 @@ def collect_until(pool, done, timeout: float, seen: list | None = None) -> list:
     return got
 
 
-def test_batches_carry_versions_checksums_and_backpressure(cluster, tiny_model_dir, tmp_path):
+GROUP_BYTES = 64 << 20  # more than loopback's socket buffers hold: a frozen member stalls it
+GROUP_BUCKET = 1 << 20
+
+
+def group_member(port: int, incarnations: list[tuple[int, int, int]], deadline_s: float, out):
+    """A weight group member outside Ray: each (epoch, rank, world) in turn, it joins, receives
+    a version into its staging copy and confirms; it says how each ended on ``out``."""
+    torch.set_num_threads(1)
+    staging = torch.zeros(GROUP_BYTES, dtype=torch.uint8)
+    for epoch, rank, world in incarnations:
+        try:
+            group = ray_searchers.WeightGroup(
+                "gloo", LOOPBACK, port, epoch, rank, world, deadline_s, LOOPBACK
+            )
+            out.put((epoch, "joined", os.getpid()))
+            deadline = time.monotonic() + deadline_s
+            group.broadcast(staging, GROUP_BUCKET, deadline)
+            whole = group.flag(0.0, deadline)
+            group.flag(1.0, deadline, total=True)
+            out.put((epoch, "received", (whole, staging.double().sum().item())))
+        except ray_searchers.WeightGroupError as error:
+            out.put((epoch, "failed", str(error)))
+
+
+def test_weight_group_member_killed_or_hung_mid_broadcast():
+    """The weight group alone (gloo on loopback, two member processes, 64 MiB in buckets of 1
+    MiB, two in flight): a member frozen and then SIGKILLed mid-broadcast fails the driver's
+    broadcast within a second, not at the deadline; the group rebuilt with the survivor (a new
+    epoch, the same TCPStore) delivers a whole copy; a member frozen and left so fails it at
+    the deadline: never a hang."""
+    import datetime
+
+    import torch.distributed as dist
+
+    deadline_s = 20.0
+    server = dist.TCPStore(
+        LOOPBACK, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    plans = {"a": [(1, 1, 3)], "b": [(1, 2, 3), (2, 1, 2), (3, 1, 2)]}
+    members = {
+        name: ctx.Process(target=group_member, args=(server.port, plan, deadline_s, out))
+        for name, plan in plans.items()
+    }
+    payload = torch.randint(0, 255, (GROUP_BYTES,), dtype=torch.uint8)
+
+    def group(epoch: int, world: int, deadline: float):
+        return ray_searchers.WeightGroup(
+            "gloo", LOOPBACK, server.port, epoch, 0, world, deadline_s, LOOPBACK, server=server
+        )
+
+    def said(epoch: int, what: str, count: int = 1) -> list:
+        found = []
+        while len(found) < count:
+            got_epoch, kind, detail = out.get(timeout=60)
+            assert (got_epoch, kind) == (epoch, what), (got_epoch, kind, detail)
+            found.append(detail)
+        return found
+
+    with time_limit(120):
+        for member in members.values():
+            member.start()
+        try:
+            first = group(1, 3, deadline_s)
+            pids = said(1, "joined", 2)
+            frozen = members["a"].pid
+            assert frozen in pids
+            os.kill(frozen, signal.SIGSTOP)
+            threading.Timer(0.5, os.kill, (frozen, signal.SIGKILL)).start()
+            t0 = time.monotonic()
+            with pytest.raises(ray_searchers.WeightGroupError):
+                deadline = t0 + deadline_s
+                first.broadcast(payload, GROUP_BUCKET, deadline)
+                first.flag(1.0, deadline)
+                first.flag(0.0, deadline, total=True)
+            failed_s = time.monotonic() - t0
+            assert 0.4 < failed_s < 5.0, failed_s  # the kill, not the deadline
+            first.close()
+            assert said(1, "failed")  # the survivor's part ended too, and it says so
+
+            second = group(2, 2, deadline_s)
+            said(2, "joined")
+            deadline = time.monotonic() + deadline_s
+            second.broadcast(payload, GROUP_BUCKET, deadline)
+            second.flag(1.0, deadline)
+            assert second.flag(0.0, deadline, total=True) == 1.0
+            ((whole, checksum),) = said(2, "received")
+            assert whole == 1.0 and checksum == payload.double().sum().item()
+            second.close()
+
+            hung_deadline_s = 2.0
+            third = ray_searchers.WeightGroup(
+                "gloo", LOOPBACK, server.port, 3, 0, 2, hung_deadline_s, LOOPBACK, server=server
+            )
+            said(3, "joined")
+            os.kill(members["b"].pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(ray_searchers.WeightGroupError):
+                deadline = t0 + hung_deadline_s
+                third.broadcast(payload, GROUP_BUCKET, deadline)
+                third.flag(1.0, deadline)
+                third.flag(0.0, deadline, total=True)
+            assert time.monotonic() - t0 < hung_deadline_s + 1.0
+            third.close()
+            print(f"killed mid-broadcast: failed in {failed_s:.2f}s; hung: at the deadline")
+        finally:
+            for member in members.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(member.pid, signal.SIGKILL)
+                member.join(timeout=10)
+
+
+def held_open(pool, version: int, hold_s: float = 0.5) -> list:
+    """collect() until the weight group's round of ``version`` has been under way for
+    ``hold_s`` (a member frozen: it cannot finish), and what arrived meanwhile."""
+    got = collect_until(pool, lambda _: pool.sender.sending == version, 60, seen=[])
+    until = time.monotonic() + hold_s
+    got = collect_until(pool, lambda _: time.monotonic() > until, 60, seen=got)
+    assert pool.sender.sending == version and pool.sender.sent < version
+    return got
+
+
+def delivered(rank: int, version: int):
+    """collect_until's test: searcher ``rank`` (its shard: prompt ids of its parity, two
+    searchers) delivered a batch of ``version`` or newer."""
+    return lambda got: any(t.version >= version and t.prompt_id % 2 == rank for t in got)
+
+
+@pytest.mark.parametrize("weights", ["broadcast", "object_store"])
+def test_batches_carry_versions_checksums_and_backpressure(
+    cluster, tiny_model_dir, tmp_path, weights
+):
     """Two actors on worker raylets: nothing before the first publish; then batches tagged with
     version 0, then version 1 once published; each load passes the parity probe and the
-    engines' checksums equal the trainer's; never more than in_flight calls per actor."""
+    engines' checksums equal the trainer's; never more than in_flight calls per actor. The
+    weights by the weight group (one incarnation, both actors in it) or the object store."""
     with time_limit(400):
         examples = tiny_examples()
         cfg = tiny_cfg(tiny_model_dir, tmp_path)
         publisher = Publisher(cfg, examples)
-        pool = make_pool(cluster, cfg, examples, publisher, in_flight=2)
+        pool = make_pool(cluster, cfg, examples, publisher, in_flight=2, ray_weights=weights)
         try:
             pool.start()
             pool.wait_ready()
@@ -295,31 +436,69 @@ def test_batches_carry_versions_checksums_and_backpressure(cluster, tiny_model_d
                     publisher.checksums[1], rel=1e-9
                 )
             assert metrics["async/searcher_restarts"] == 0
+            if weights == "broadcast":
+                assert metrics["async/weight_group_rebuilds"] == 1.0
+                assert metrics["async/weight_group_size"] == 2.0
+                assert "time/ray_broadcast" in metrics or pool.sender.seconds
+            else:
+                assert pool.sender is None and "time/ray_put" in metrics
         finally:
             pool.stop()
+        ran = json.loads((tmp_path / "ran.json").read_text())
+        assert weights.replace("_", " ") in ran["weights"]["path"].lower()
+        assert ran["weights"]["versions_sent"] >= 2
+        assert {s["engine"] for s in ran["searchers"].values()} == {"HFEngine"}
 
 
-def test_killed_actor_restarts_counted_loads_newest(cluster, tiny_model_dir, tmp_path):
-    """SIGKILL a searcher actor's process: Ray restarts it, the driver counts one restart, the
-    new incarnation's first batch is of the newest version, and calls lost are re-issued."""
+def test_actor_killed_or_hung_mid_broadcast(cluster, tiny_model_dir, tmp_path):
+    """Two searchers on the weight group. Searcher 0 is frozen (SIGSTOP) before version 1, so
+    that version's broadcast cannot finish, and SIGKILLed while it is under way: the group is
+    rebuilt without it, searcher 1 goes on, and searcher 0 comes back (a restart, counted)
+    with a full copy of version 1. Then searcher 1 is frozen before version 2 and left so:
+    past the group's deadline it is a straggler, and with no restart left the run stops with
+    an error naming it and its node. Every load passed the parity check."""
+    logged: list[str] = []
     with time_limit(400):
         examples = tiny_examples()
-        cfg = tiny_cfg(tiny_model_dir, tmp_path, num_searchers=1)
+        cfg = tiny_cfg(tiny_model_dir, tmp_path, max_searcher_restarts=1)
         publisher = Publisher(cfg, examples)
-        pool = make_pool(cluster, cfg, examples, publisher)
+        pool = make_pool(
+            cluster, cfg, examples, publisher, log=logged.append, ray_weights_timeout_s=3.0
+        )
         try:
             pool.start()
             pool.wait_ready()
             publisher.publish(0)
-            collect_until(pool, lambda t: len(t) > 0, 180)
-            before = pool.incarnations[0]
-            os.kill(pool.where()[0]["pid"], signal.SIGKILL)
+            collect_until(pool, lambda t: delivered(0, 0)(t) and delivered(1, 0)(t), 180)
+            pids = pool._pids()
+            os.kill(pids[0], signal.SIGSTOP)
             publisher.publish(1)
-            collect_until(pool, lambda t: pool.incarnations[0] != before, 180)
-            assert pool.latest[0].version == 1  # the restarted actor's first batch: the newest
+            got = held_open(pool, 1)
+            killed_at = time.monotonic()
+            with contextlib.suppress(ProcessLookupError):  # unless the deadline came first
+                os.kill(pids[0], signal.SIGKILL)
+            got = collect_until(pool, delivered(0, 1), 120, seen=got)
+            back_s = time.monotonic() - killed_at
             metrics = pool.metrics()
             assert metrics["async/searcher_restarts"] == 1
-            assert metrics["async/searcher_call_errors"] >= 1
+            assert metrics["searcher0/checksum"] == pytest.approx(publisher.checksums[1], rel=1e-9)
+            assert any(t.prompt_id % 2 == 1 for t in got)  # searcher 1 went on meanwhile
+            assert any("gone: [0], killed: []; rebuilding it with [1]" in x for x in logged), logged
+            # Formed with both, without searcher 0, with both again (at least).
+            assert pool.sender.rebuilds >= 3
+            print(f"searcher 0 back with version 1 {back_s:.1f}s after its SIGKILL")
+
+            frozen_at = time.monotonic()
+            os.kill(pool._pids()[1], signal.SIGSTOP)
+            publisher.publish(2)
+            held_open(pool, 2)
+            with pytest.raises(SearcherFailed, match=r"searcher 1 on node 127\.0\.0\.1") as failed:
+                collect_until(pool, lambda _: False, 60, seen=[])
+            stopped_s = time.monotonic() - frozen_at
+            print(f"stopped {stopped_s:.1f}s after searcher 1 froze")
+            assert "missed the weight group's deadline" in str(failed.value)
+            assert "no restart left (1 used of 1)" in str(failed.value)
+            assert stopped_s < 3.0 + 2.0 + 3.0  # the deadline, the survivors' reports, slack
         finally:
             pool.stop()
 
@@ -368,6 +547,16 @@ def test_driver_killed_leaves_nothing_and_resume_continues(cluster, tiny_model_d
         last = json.loads(metrics_path.read_text().splitlines()[-1])
         assert last["async/searcher_restarts"] == 0 and "async/lag_mean" in last
         assert last["searcher0/version"] >= ckpt_step  # the resumed run's actors load its weights
+        # What ran, in results.json and the printed summary: the trainer here, its searchers
+        # Ray actors on the worker raylets, the weights by the weight group.
+        ran = json.loads((out / "results.json").read_text())["summary"]["ran"]
+        assert ran["trainer"]["ranks"] == 1
+        assert {s["node"] for s in ran["searchers"].values()} == {LOOPBACK}
+        assert all(s["ray_actor"] for s in ran["searchers"].values())
+        assert ran["weights"]["path"].startswith("broadcast (gloo")
+        assert ran["weights"]["seconds_per_version"] > 0
+        assert "searchers (Ray actors): 0 HFEngine on cpu at 127.0.0.1" in output
+        assert "weights: broadcast (gloo" in output
 
 
 def test_client_without_token_is_refused(cluster):
@@ -395,9 +584,11 @@ def test_client_without_token_is_refused(cluster):
             assert time.monotonic() - t0 < 15
 
 
-def test_node_removed_actor_comes_back_elsewhere(cluster, tiny_model_dir, tmp_path):
-    """Remove the node of searcher 0 mid-run: searcher 1 keeps delivering, searcher 0 comes back
-    on the spare node (restart counted) and its first batch there is of the newest version.
+def test_node_removed_mid_broadcast_actor_comes_back_elsewhere(cluster, tiny_model_dir, tmp_path):
+    """Remove the node of searcher 0 mid-broadcast (its actor frozen first, so the broadcast of
+    version 1 cannot finish; a frozen process cannot exit with its node, so it is killed with
+    it): searcher 1 keeps delivering, searcher 0 comes back on the spare node (restart counted)
+    and its first batch there is of the newest version, loaded whole (checksum, parity).
     Last in the module: it leaves the cluster a node short (a node is added back)."""
     with time_limit(400):
         examples = tiny_examples()
@@ -408,21 +599,27 @@ def test_node_removed_actor_comes_back_elsewhere(cluster, tiny_model_dir, tmp_pa
             pool.start()
             pool.wait_ready()
             publisher.publish(0)
-            collect_until(pool, lambda t: {x.prompt_id for x in t} and len(pool.latest) == 2, 180)
+            collect_until(pool, lambda t: delivered(0, 0)(t) and delivered(1, 0)(t), 180)
             node_id = nodes(pool)[0]
             before = pool.incarnations[0]
+            pid = pool._pids()[0]
+            os.kill(pid, signal.SIGSTOP)
+            publisher.publish(1)
+            got = held_open(pool, 1)
             cluster.cluster.remove_node(cluster.node(node_id), allow_graceful=False)
             cluster.workers = [n for n in cluster.workers if n.node_id != node_id]
-            publisher.publish(1)
-            got = collect_until(pool, lambda t: pool.incarnations[0] != before, 180, seen=[])
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            got = collect_until(pool, lambda t: pool.incarnations[0] != before, 180, seen=got)
+            got = collect_until(pool, delivered(0, 1), 60, seen=got)
             # While searcher 0 was away, searcher 1 (the odd prompt ids) kept delivering.
             assert any(t.prompt_id % 2 == 1 for t in got)
-            assert any(t.version == 1 and t.prompt_id % 2 == 0 for t in got)
             back = pool.where()[0]
             assert back["node_id"] != node_id and back["reconstructed"]
             metrics = pool.metrics()
             assert metrics["async/searcher_restarts"] == 1
             assert metrics["searcher0/version"] == 1.0
+            assert metrics["searcher0/checksum"] == pytest.approx(publisher.checksums[1], rel=1e-9)
         finally:
             pool.stop()
             cluster.workers.append(cluster.add_worker())
