@@ -607,15 +607,19 @@ class WeightGroup:
         if error is not None:
             raise WeightGroupError(f"group {self.epoch}, rank {self.rank}: {error}")
 
-    def close(self) -> None:
-        """Let the group go on a thread of its own: its destructor waits for an operation
-        still in flight, which ends by the group's timeout at the latest. (gloo's abort()
-        ended nothing sooner here, and once left a survivor waiting past its own timeout.)"""
+    def close(self, wait_s: float = 0.0) -> None:
+        """Let the group go on a thread of its own, waited for up to ``wait_s``: its destructor
+        waits for an operation still in flight, which ends by the group's timeout at the
+        latest. (gloo's abort() ended nothing sooner here, and once left a survivor waiting
+        past its own timeout.) Before a process exits, wait: a group torn down by C++'s static
+        destructors after the interpreter can abort the process (OPERATIONS.md)."""
         if self.pg is None:
             return
         held = [self.pg]  # the only reference from here: the thread drops it, not the caller
         self.pg = None
-        threading.Thread(target=_let_go, args=(held,), name="tba-group-close", daemon=True).start()
+        thread = threading.Thread(target=_let_go, args=(held,), name="tba-group-close", daemon=True)
+        thread.start()
+        thread.join(wait_s)
 
 
 def _let_go(held: list) -> None:
@@ -876,7 +880,7 @@ class GroupSender:
         if self.thread.is_alive():
             self.thread.join(timeout)
         if self.group is not None:
-            self.group.close()
+            self.group.close(wait_s=timeout)
 
     def _run(self) -> None:
         try:
