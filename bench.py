@@ -1266,6 +1266,23 @@ def bench_intake(
 # ----------------------------------------------------------------------------- Ray
 
 RAY_BATCH = (72, 100, 128)  # trajectories per batch (3 prompts x 24), prompt and response tokens
+# rho-1b (realtreetune/rho-1b-sft-GSM8K: TinyLlama-1.1B's config.json), whose bf16 version is
+# the 2.2 GB one of the ray section.
+RHO_1B = dict(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    tie_word_embeddings=False,
+)
+# The ray section's versions: (name, the Llama's config, dtype, searcher actors on other nodes).
+RAY_CASES = (
+    ("438MB", LLAMA_110M, torch.float32, 1),
+    ("438MB", LLAMA_110M, torch.float32, 3),
+    ("2.2GB", RHO_1B, torch.bfloat16, 1),
+)
 
 
 def _fake_batch(rank: int = 0):
@@ -1278,22 +1295,6 @@ def _fake_batch(rank: int = 0):
         for i in range(count)
     ]
     return Batch(rank, trajectories, BatchStats(0.0, 0.0, 0.0, 0.0, 3, 0.5, 0.1))
-
-
-def _gloo_receiver(port: int, nbytes: int, reps: int, res_q) -> None:
-    """Rank 1 of a raw gloo pair over loopback: each receive's seconds."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
-    payload = torch.empty(nbytes, dtype=torch.uint8)
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.recv(payload, src=0)
-        res_q.put(time.perf_counter() - t0)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _queue_producer(out_queue, batches: int) -> None:
@@ -1327,45 +1328,186 @@ class _BatchActor:
 
 
 class _LoadActor:
-    """A searcher actor's weight path: ray_searchers.RayWeightSource into a model's tensors."""
+    """A searcher actor's weight paths into a flat copy of the weights (its engine's stand-in):
+    ray_searchers.RayWeightSource (the object store), ray_searchers.GroupWeightSource (the
+    weight group, its receiver thread started here), and a raw gloo group of the same ranks."""
 
-    def __init__(self, board, layout: list, numel: int):
+    def __init__(self, rank: int, board, group_board, layout: list, dtype, bucket_bytes: int):
         import ray_searchers
 
         torch.set_num_threads(1)
-        self.source = ray_searchers.RayWeightSource(board, layout, torch.float32)
-        self.params = torch.empty(numel)
+        self.rank = rank
+        self.object_store = ray_searchers.RayWeightSource(board, layout, dtype)
+        self.group = ray_searchers.GroupWeightSource(
+            group_board, layout, dtype, "gloo", bucket_bytes, 300.0
+        )
+        self.group.start(rank, f"bench-{rank}")
+        numel = sum(math.prod(shape) for _, _, shape in layout)
+        self.params = torch.empty(numel, dtype=dtype)
+        self.raw = None
 
     def ready(self) -> bool:
         return True
 
-    def load(self, version: int) -> float:
-        """Seconds from this call until ``version`` is copied in (waits for the board)."""
+    def _copy(self, views) -> None:
+        offset = 0
+        for _, view in views:
+            self.params[offset : offset + view.numel()].copy_(view.reshape(-1))
+            offset += view.numel()
+
+    def load(self, version: int, path: str) -> float:
+        """Wait until ``version`` is there by ``path`` (object_store or broadcast), then copy
+        it in; the copy's seconds."""
+        source = self.object_store if path == "object_store" else self.group
+        while source.version() < version:
+            time.sleep(0.0005)
         t0 = time.perf_counter()
-        while self.source.version() < version:
-            time.sleep(0.001)
-        flat = self.params
-
-        def copy(views):
-            offset = 0
-            for _, view in views:
-                flat[offset : offset + view.numel()].copy_(view.reshape(-1))
-                offset += view.numel()
-
-        self.source.load_into(copy)
+        source.load_into(self._copy)
         return time.perf_counter() - t0
 
+    def raw_join(self, host: str, port: int, world: int) -> None:
+        import ray
 
-def bench_ray(reps: int, model_kwargs: dict, batches: int) -> dict:
-    """Searchers as Ray actors on a 2-node Ray cluster on loopback (a head with the driver, a
-    worker node with the actor): a version of ``model_kwargs``'s Llama from the trainer's
-    publish to an actor's tensors (publish, ray.put, the board, the actor's pull across nodes
-    and copy: ray_searchers' own path) against a raw gloo send of the same bytes right after
-    it, per pair; and trajectories/s of actor calls into the driver (ray_in_flight 2) against
-    the in-node queue. Median of ``reps``."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        import ray_searchers
+
+        node_ip = ray.util.get_node_ip_address()
+        self.raw = ray_searchers.WeightGroup(
+            "gloo", host, port, 0, self.rank + 1, world, 300.0, node_ip
+        )
+
+    def raw_receive(self) -> None:
+        """One broadcast of the whole version into the flat copy, as rank ``rank + 1``."""
+        deadline = time.monotonic() + 300.0
+        self.raw.flag(0.0, deadline, total=True)  # everyone is here
+        self.raw.broadcast(self.params.view(-1).view(torch.uint8), 1 << 62, deadline)
+        self.raw.flag(1.0, deadline, total=True)
+
+
+def _weight_paths(name: str, model_kwargs: dict, dtype, searchers: int, reps: int) -> dict:
+    """One version of ``model_kwargs``'s Llama in ``dtype`` to ``searchers`` actors, each on a
+    worker node of its own, by three paths in turn each repetition, the same bytes: the weight
+    group (ray_searchers' GroupSender, buckets of 64 MiB), the object store (ray.put, the
+    board, each node's pull), and one raw gloo broadcast to the same ranks. Seconds from the
+    version in the trainer's store to the last actor's copy of it."""
+    import datetime
+
     import ray
     import torch.distributed as dist
+    from ray._private.state import state
+
+    import ray_searchers
+
+    store = WeightStore(
+        list(_meta_llama(model_kwargs).named_parameters()), dtype, torch.device("cpu")
+    )
+    layout = list(store.layout)
+    source = torch.empty_like(store.flat)
+    named = []
+    for param_name, offset, shape in layout:
+        named.append((param_name, source[offset : offset + math.prod(shape)].view(shape)))
+    nbytes = store.flat.numel() * store.flat.element_size()
+    bucket = 64 << 20
+    here = ray.util.get_node_ip_address()
+    board = ray.remote(ray_searchers.WeightBoard).options(num_cpus=0).remote()
+    group_board = ray.remote(ray_searchers.GroupBoard).options(num_cpus=0).remote()
+    actors = [
+        ray.remote(_LoadActor)
+        .options(num_cpus=0, resources={"searcher": 1})
+        .remote(rank, board, group_board, layout, dtype, bucket)
+        for rank in range(searchers)
+    ]
+    ray.get([actor.ready.remote() for actor in actors], timeout=600)
+
+    def pids() -> dict[int, int]:
+        out = {}
+        for rank, actor in enumerate(actors):
+            record = state.actor_table(actor._actor_id.hex()) or {}
+            if record.get("State") == "ALIVE":
+                out[rank] = record["Pid"]
+        return out
+
+    def kill(rank: int, info: dict, why: str) -> None:
+        raise RuntimeError(f"bench: searcher {rank} {why}")
+
+    sender = ray_searchers.GroupSender(
+        store, group_board, "gloo", bucket, 300.0, here, pids, kill, log=print
+    )
+    sender.start()
+    raw_server = dist.TCPStore(
+        here, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=300)
+    )
+    joined = [actor.raw_join.remote(here, raw_server.port, searchers + 1) for actor in actors]
+    raw = ray_searchers.WeightGroup(
+        "gloo", here, raw_server.port, 0, 0, searchers + 1, 300.0, here, server=raw_server
+    )
+    ray.get(joined, timeout=300)
+    rows = []
+    try:
+        for version in range(reps + 1):  # version 0 warms every page up
+            source.normal_()
+            t0 = time.perf_counter()
+            store.publish(named, version)
+            publish_s = time.perf_counter() - t0
+            row = {"publish_s": publish_s}
+            # The weight group: the sender notices the version by itself.
+            loads = [actor.load.remote(version, "broadcast") for actor in actors]
+            t0 = time.perf_counter()
+            copies = ray.get(loads, timeout=600)
+            row["broadcast_s"] = time.perf_counter() - t0
+            row["copy_s"] = max(copies)
+            # The object store, as RaySearcherPool did it.
+            loads = [actor.load.remote(version, "object_store") for actor in actors]
+            t0 = time.perf_counter()
+            ref = ray.put(store.flat.view(torch.uint8).numpy())
+            board.set.remote(version, 0.0, [ref])
+            ray.get(loads, timeout=600)
+            row["object_store_s"] = time.perf_counter() - t0
+            # The board drops the version's object now, not at the next put (memory).
+            board.set.remote(version + 0.5, 0.0, [ray.put(b"")])
+            del ref
+            # One raw broadcast of the same bytes to the same ranks, its end confirmed.
+            received = [actor.raw_receive.remote() for actor in actors]
+            deadline = time.monotonic() + 300.0
+            raw.flag(0.0, deadline, total=True)
+            t0 = time.perf_counter()
+            raw.broadcast(store.flat.view(-1).view(torch.uint8), 1 << 62, deadline)
+            raw.flag(0.0, deadline, total=True)
+            row["raw_gloo_s"] = time.perf_counter() - t0
+            ray.get(received, timeout=300)
+            if version:
+                rows.append(row)
+    finally:
+        sender.stop()
+        raw.close()
+        for actor in [*actors, board, group_board]:
+            ray.kill(actor)
+    del store, source, named
+    out = {"case": name, "mb": nbytes / 1e6, "searchers": searchers, "reps": reps}
+    for key in ("publish_s", "broadcast_s", "copy_s", "object_store_s", "raw_gloo_s"):
+        out[key] = statistics.median(r[key] for r in rows)
+    for path in ("broadcast", "object_store"):
+        ratios = [r[f"{path}_s"] / r["raw_gloo_s"] for r in rows]
+        out[f"{path}_over_raw"] = statistics.median(ratios)
+        out[f"{path}_over_raw_range"] = [min(ratios), max(ratios)]
+    out["rounds"] = len(sender.seconds)
+    out["group_rebuilds"] = sender.rebuilds
+    return out
+
+
+def _meta_llama(model_kwargs: dict):
+    """A Llama of ``model_kwargs`` on the meta device: its names and shapes, no memory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(LlamaConfig(**model_kwargs))
+
+
+def bench_ray(reps: int, cases: tuple, batches: int) -> dict:
+    """Searchers as Ray actors on a Ray cluster on loopback (a head with the driver, three worker
+    nodes, one actor each): each case of ``cases`` by ``_weight_paths``; and trajectories/s
+    of actor calls into the driver (ray_in_flight 2) against the in-node queue."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
     from ray.cluster_utils import Cluster
 
     import ray_searchers
@@ -1374,52 +1516,25 @@ def bench_ray(reps: int, model_kwargs: dict, batches: int) -> dict:
     saved = {key: os.environ.get(key) for key in ("RAY_TMPDIR", "RAY_AUTH_MODE")}
     os.environ.update(RAY_TMPDIR=temp_dir, RAY_AUTH_MODE="disabled")
     torch.set_num_threads(1)
-    model = _llama(model_kwargs, "cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)  # touch every page
-    named = list(model.named_parameters())
-    store = WeightStore(named, torch.float32, torch.device("cpu"))
-    nbytes = store.flat.numel() * 4
-    # The gloo pair first: its peer would time out waiting while this process starts Ray.
-    ctx = mp.get_context("spawn")
-    res_q = ctx.Queue()
-    port = _free_port()
-    peer = ctx.Process(target=_gloo_receiver, args=(port, nbytes, reps + 1, res_q))
-    peer.start()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+    largest = max(
+        sum(p.numel() for p in _meta_llama(kwargs).parameters()) * dtype.itemsize
+        for _, kwargs, dtype, _ in cases
+    )
     ray_searchers.keep_loopback()
-    node = dict(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=int(nbytes * 3.2))
+    # Room in each node's object store for a version and a half (the plasma store takes
+    # memory only as objects arrive; each version's object is dropped before the next put).
+    node = dict(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=int(largest * 1.5))
     cluster = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False))
-    cluster.add_node(**node, resources={"searcher": 1})
+    for _ in range(max(searchers for *_, searchers in cases)):
+        cluster.add_node(**node, resources={"searcher": 1})
     cluster.wait_for_nodes()
+    results = []
     try:
         ray_searchers.connect(cluster.address)
-        payload = torch.ones(nbytes, dtype=torch.uint8)
-        board = ray.remote(ray_searchers.WeightBoard).options(num_cpus=0).remote()
-        loader = (
-            ray.remote(_LoadActor)
-            .options(num_cpus=0, resources={"searcher": 1})
-            .remote(board, list(store.layout), store.flat.numel())
-        )
-        ray.get(loader.ready.remote())  # built, on the worker node
-        pairs = []
-        for version in range(reps + 1):  # version 0 warms both stores' pages up
-            t0 = time.perf_counter()
-            store.publish(named, version)
-            ref = ray.put(store.flat.view(torch.uint8).numpy())
-            board.set.remote(version, 0.0, [ref])
-            loaded = ray.get(loader.load.remote(version))
-            ray_s = time.perf_counter() - t0
-            del ref
-            dist.barrier()
-            dist.send(payload, dst=1)
-            gloo_s = res_q.get(timeout=300)
-            if version:
-                pairs.append((ray_s, gloo_s, loaded))
-        dist.barrier()
-        dist.destroy_process_group()
-        ray.kill(loader)  # its slot on the worker node is the batch actor's
+        for name, kwargs, dtype, searchers in cases:
+            log(f"ray: {name} to {searchers} searcher(s)")
+            results.append(_weight_paths(name, kwargs, dtype, searchers, reps))
+            log(f"  {json.dumps(results[-1])}")
         actor = ray.remote(_BatchActor).options(num_cpus=0, resources={"searcher": 1}).remote()
         ray.get(actor.next_batch.remote())
         pending = [actor.next_batch.remote() for _ in range(2)]
@@ -1432,9 +1547,6 @@ def bench_ray(reps: int, model_kwargs: dict, batches: int) -> dict:
     finally:
         ray.shutdown()
         cluster.shutdown()
-        peer.join(timeout=60)
-        if peer.is_alive():
-            peer.kill()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -1442,17 +1554,31 @@ def bench_ray(reps: int, model_kwargs: dict, batches: int) -> dict:
                 os.environ[key] = value
     in_node = _in_node_rate(batches)
     return {
-        "version_mb": nbytes / 1e6,
-        "version_to_actor_s": statistics.median(r for r, _, _ in pairs),
-        "raw_gloo_s": statistics.median(g for _, g, _ in pairs),
-        "ray_over_gloo": statistics.median(r / g for r, g, _ in pairs),
-        "ray_over_gloo_range": [min(r / g for r, g, _ in pairs), max(r / g for r, g, _ in pairs)],
+        "weights": results,
         "trajectories_per_s_ray": ray_rate,
         "trajectories_per_s_in_node": in_node,
         "ray_over_in_node": ray_rate / in_node,
-        "reps": reps,
         "batch": RAY_BATCH,
     }
+
+
+def print_ray(res: dict) -> None:
+    """The weight paths' table: seconds per version, each path, each case."""
+    print(
+        f"{'version':<8}{'searchers':>10}{'raw gloo':>10}{'broadcast':>11}{'x raw':>7}"
+        f"{'object store':>14}{'x raw':>7}{'  (seconds per version; medians)'}"
+    )
+    for row in res["weights"]:
+        print(
+            f"{row['case']:<8}{row['searchers']:>10}{row['raw_gloo_s']:>10.3f}"
+            f"{row['broadcast_s']:>11.3f}{row['broadcast_over_raw']:>7.2f}"
+            f"{row['object_store_s']:>14.3f}{row['object_store_over_raw']:>7.2f}"
+        )
+    print(
+        f"trajectories/s through actor calls {res['trajectories_per_s_ray']:.0f}, through the "
+        f"in-node queue {res['trajectories_per_s_in_node']:.0f}; two processes over one "
+        f"{res['parallel_speedup']:.2f}"
+    )
 
 
 def _free_port() -> int:
@@ -1774,13 +1900,15 @@ def main(argv: list[str] | None = None) -> None:
             print(f"engines: {json.dumps(res['engines'])}")
         if "ray" in sections:
             log("ray")
+            small = dict(LLAMA_110M, num_hidden_layers=2)
+            quick_cases = (("small", small, torch.float32, 1), ("small", small, torch.float32, 2))
             res["ray"] = bench_ray(
-                2 if args.quick else 7,
-                dict(LLAMA_110M, num_hidden_layers=2) if args.quick else LLAMA_110M,
+                2 if args.quick else 5,
+                quick_cases if args.quick else RAY_CASES,
                 batches=20 if args.quick else 300,
             )
             res["ray"]["parallel_speedup"] = parallel_speedup(1.0 if args.quick else 3.0)
-            print(f"ray: {json.dumps(res['ray'])}")
+            print_ray(res["ray"])
         if "publish" in sections:
             log("publish")
             res["publish"] = bench_publish(
