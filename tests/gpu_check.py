@@ -21,7 +21,14 @@ In this order:
    (the parity check), then it times generate calls of the searchers' shape (3 prompts x N 24,
    up to 512 new tokens: a random model rarely ends early, so every call is the longest) and
    reports its own peak memory.
-5. **An estimate** of the paper run on 4xA100 from these figures (``estimate``), beside the
+5. **The weight group** (ray_searchers.py's ``--ray_weights broadcast``, without Ray), as far as
+   one GPU shows it: the same version from this process to the searcher's over a gloo weight
+   group of the two (from the CUDA store through host memory, ``StoreSnapshot``, in buckets),
+   into a staging copy, then into its engine on the GPU, the parity probe checked again; and an
+   NCCL weight group of one rank (NCCL refuses two ranks on one GPU): it forms on a PrefixStore
+   and runs a version's buckets from the store and from host memory through its two GPU
+   buffers, as a searcher's receive would. Two GPUs are needed for NCCL's transfer itself.
+6. **An estimate** of the paper run on 4xA100 from these figures (``estimate``), beside the
    authors' 82 minutes.
 
 The dry run takes the same steps on the CPU at tiny shapes (the tiny Llama, P 2, K 4, 16
@@ -89,7 +96,12 @@ def main(argv: list[str] | None = None) -> dict:
         results["trainer"], trainer = trainer_steps(cfg, device, shape, args.timed_steps)
         results["publish"], store, probe = publish(trainer, device)
         del trainer
-        results["searcher"] = searcher_process(cfg, device, store, probe, shape, args.timed_calls)
+        results["searcher"], results["weight_group"] = searcher_process(
+            cfg, device, store, probe, shape, args.timed_calls
+        )
+        results["weight_group"]["nccl_one_rank"] = (
+            nccl_one_rank(store) if not args.dry_run else None
+        )
     results["estimate"] = estimate(results, shape)
     results["total_s"] = time.perf_counter() - started
     out = Path(args.out)
@@ -97,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.write_text(json.dumps(results, indent=2))
     report(results, out)
     failed = results["cuda_tests"]["returncode"] not in (0, 5) or not results["searcher"]["parity"]
-    if failed:
+    if failed or not results["weight_group"]["parity"]:
         raise SystemExit(1)
     return results
 
@@ -308,32 +320,158 @@ def publish(trainer, device: torch.device):
 # ----------------------------------------------------------------------------- 4. a searcher
 
 
-def searcher_process(cfg, device, store, probe, shape: dict, timed: int) -> dict:
-    """The searcher's side in a spawned process: load by IPC, the parity check, generate."""
+def searcher_process(cfg, device, store, probe, shape: dict, timed: int) -> tuple[dict, dict]:
+    """The searcher's side in a spawned process: load by IPC, the parity check, generate; then
+    the same version by the weight group (``send_by_group``)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=300),
+    )
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_searcher, args=(cfg, str(device), store, probe, shape, timed, out))
+    args = (cfg, str(device), store, probe, shape, timed, server.port, out)
+    proc = ctx.Process(target=_searcher, args=args)
     proc.start()
     try:
         result = out.get(timeout=300)
+        if "error" in result:
+            raise RuntimeError(f"the searcher's process failed:\n{result['error']}")
+        sent = send_by_group(store, server)
+        received = out.get(timeout=300)
+        if "error" in received:
+            raise RuntimeError(f"the searcher's weight group failed:\n{received['error']}")
     finally:
         proc.join(timeout=30)
         proc.kill()
-    if "error" in result:
-        raise RuntimeError(f"the searcher's process failed:\n{result['error']}")
-    return result
+    return result, {**sent, **received}
 
 
-def _searcher(cfg, device: str, store, probe, shape: dict, timed: int, out) -> None:
+GROUP_BUCKET = 64 << 20  # RayConfig.ray_bucket_mb's default
+GROUP_TIMEOUT_S = 300.0
+
+
+def send_by_group(store, server) -> dict:
+    """Rank 0 of a gloo weight group of two (this process and the searcher's): the store's
+    version through host memory (StoreSnapshot: a stream of its own, pinned memory), in
+    buckets, then the flag that it is whole and the sum that says it arrived."""
+    from ray_searchers import StoreSnapshot, WeightGroup
+
+    group = WeightGroup(
+        "gloo", "127.0.0.1", server.port, 1, 0, 2, GROUP_TIMEOUT_S, "127.0.0.1", server=server
+    )
+    snapshot = StoreSnapshot(store)
+    t0 = time.perf_counter()
+    read = snapshot.read()
+    snapshot_s = time.perf_counter() - t0
+    assert read is not None, "a publish overlapped the snapshot; nothing publishes here"
+    deadline = time.monotonic() + GROUP_TIMEOUT_S
+    group.broadcast(read[2].view(-1).view(torch.uint8), GROUP_BUCKET, deadline)
+    group.flag(1.0, deadline)
+    arrived = group.flag(0.0, deadline, total=True)
+    seconds = time.perf_counter() - t0
+    group.close(wait_s=30.0)
+    return {"snapshot_s": snapshot_s, "send_s": seconds, "arrived": arrived == 1.0}
+
+
+def nccl_one_rank(store) -> dict:
+    """An NCCL weight group of one rank on this GPU: formed on a PrefixStore, a version's
+    buckets broadcast from the CUDA store and from host memory (through the two GPU buffers a
+    searcher receives into), the flags. Seconds of each; on failure, the error."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ray_searchers import WeightGroup
+
+    server = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        group = WeightGroup("nccl", "127.0.0.1", server.port, 1, 0, 1, 60.0, "", server=server)
+        flat = store.flat.view(-1).view(torch.uint8)
+        host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+        figures = {}
+        for name, tensor in (("from_store_s", flat), ("through_buffers_s", host)):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            deadline = time.monotonic() + 60.0
+            group.broadcast(tensor, GROUP_BUCKET, deadline)
+            group.flag(1.0, deadline)
+            group.flag(0.0, deadline, total=True)
+            torch.cuda.synchronize()
+            figures[name] = time.perf_counter() - t0
+        group.close(wait_s=30.0)
+        return {"formed": True, **figures}
+    except Exception as error:  # noqa: BLE001 -- reported, as the check's finding
+        return {"formed": False, "error": f"{type(error).__name__}: {error}"[:500]}
+
+
+def _searcher(cfg, device: str, store, probe, shape: dict, timed: int, port: int, out) -> None:
     import traceback
 
     try:
-        out.put(_searcher_figures(cfg, torch.device(device), store, probe, shape, timed))
+        figures, engine = _searcher_figures(cfg, torch.device(device), store, probe, shape, timed)
+        out.put(figures)
+    except Exception:  # noqa: BLE001 -- the parent reports it
+        out.put({"error": traceback.format_exc()})
+        return
+    try:
+        out.put(_received_by_group(engine, store, probe, port))
     except Exception:  # noqa: BLE001 -- the parent reports it
         out.put({"error": traceback.format_exc()})
 
 
-def _searcher_figures(cfg, device, store, probe, shape: dict, timed: int) -> dict:
+def _received_by_group(engine, store, probe, port: int) -> dict:
+    """Rank 1 of ``send_by_group``'s group: the version into a staging copy in host memory
+    (pinned on a GPU machine), then into the engine, and the parity probe on the engine."""
+    import math
+
+    from checks import engine_logprob
+    from ray_searchers import WeightGroup
+
+    group = WeightGroup("gloo", "127.0.0.1", port, 1, 1, 2, GROUP_TIMEOUT_S, "127.0.0.1")
+    staging = torch.empty(
+        store.flat.numel() * store.flat.element_size(),
+        dtype=torch.uint8,
+        pin_memory=torch.cuda.is_available(),
+    )
+    engine.load_weights([(n, torch.zeros_like(v)) for n, v in store.views()])  # forget them
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + GROUP_TIMEOUT_S
+    group.broadcast(staging, GROUP_BUCKET, deadline)
+    whole = group.flag(0.0, deadline) == 1.0
+    group.flag(1.0, deadline, total=True)
+    receive_s = time.perf_counter() - t0
+    group.close(wait_s=30.0)
+    flat = staging.view(store.flat.dtype)
+    views = [(n, flat[o : o + math.prod(shape)].view(shape)) for n, o, shape in store.layout]
+    t0 = time.perf_counter()
+    engine.load_weights(views)
+    sync(engine.device)
+    load_s = time.perf_counter() - t0
+    expected = store.header[store.PROBE].item()
+    got = engine_logprob(engine, probe.prompt, probe.response)
+    return {
+        "whole": whole,
+        "receive_s": receive_s,
+        "load_s": load_s,
+        "probe_got": got,
+        "parity": whole and abs(got - expected) <= probe.tolerance * max(1.0, abs(expected)),
+    }
+
+
+def _searcher_figures(cfg, device, store, probe, shape: dict, timed: int) -> tuple[dict, object]:
     from checks import engine_logprob
     from engines import HFEngine, peak_memory_gb
 
@@ -370,10 +508,10 @@ def _searcher_figures(cfg, device, store, probe, shape: dict, timed: int) -> dic
         "generate_call_s": statistics.median(seconds[1:]),
         "tokens_per_call": statistics.median(tokens[1:]),
         "peak_memory_gb": peak_memory_gb(device),
-    }
+    }, engine
 
 
-# ----------------------------------------------------------------------------- 5. the estimate
+# ----------------------------------------------------------------------------- 6. the estimate
 
 
 def estimate(results: dict, shape: dict) -> dict:
@@ -404,7 +542,17 @@ def estimate(results: dict, shape: dict) -> dict:
 
 def report(results: dict, out: Path) -> None:
     t, p, s, e = results["trainer"], results["publish"], results["searcher"], results["estimate"]
-    m, tests = results["machine"], results["cuda_tests"]
+    m, tests, g = results["machine"], results["cuda_tests"], results["weight_group"]
+    nccl = g["nccl_one_rank"]
+    if nccl is None:
+        nccl_line = "not run (the dry run has no GPU)"
+    elif nccl["formed"]:
+        nccl_line = (
+            f"formed; a version's buckets {nccl['from_store_s']:.3f} s from the store, "
+            f"{nccl['through_buffers_s']:.3f} s from host memory through the GPU buffers"
+        )
+    else:
+        nccl_line = f"FAILED: {nccl['error']}"
     print(
         f"gpu_check on {m['device']} (torch {m['torch']}, transformers {m['transformers']})"
         f"{' DRY RUN, tiny shapes' if results['dry_run'] else ''}\n"
@@ -419,6 +567,9 @@ def report(results: dict, out: Path) -> None:
         f"({s['probe_got']:.4f} against {s['probe_expected']:.4f}); "
         f"{s['generate_call_s']:.2f} s per generate call ({s['tokens_per_call']:.0f} tokens), "
         f"peak {s['peak_memory_gb']:.1f} GB\n"
+        f"weight group (gloo, two processes here): {g['send_s']:.2f} s to the searcher's "
+        f"staging copy (host snapshot {g['snapshot_s']:.3f} s), {g['load_s']:.2f} s into its "
+        f"engine, parity {'ok' if g['parity'] else 'FAILED'}; NCCL, one rank: {nccl_line}\n"
         f"estimate of the paper run: {e['on_this_device']['async_min']:.0f} min on this device "
         f"(trainer-bound {e['on_this_device']['trainer_bound_min']:.0f}, transformers-engine "
         f"searchers {e['on_this_device']['hf_searcher_bound_min']:.0f})"

@@ -40,6 +40,13 @@ def test_gpu_check_dry_run_writes_every_figure(tmp_path):
     assert searcher["generate_call_s"] > 0 and 0 < searcher["tokens_per_call"] <= 2 * 4 * 16
     assert res["estimate"]["on_this_device"]["async_min"] > 0
     assert "estimate of the paper run" in proc.stdout and "parity ok" in proc.stdout
+    # The same version again by a gloo weight group into the searcher's staging copy, then its
+    # engine (its weights zeroed first), the probe matching; NCCL needs the GPU.
+    group = res["weight_group"]
+    assert group["arrived"] and group["whole"] and group["parity"]
+    assert group["probe_got"] == pytest.approx(published["probe_logprob"], abs=1e-3)
+    assert group["send_s"] > 0 and group["receive_s"] > 0 and group["nccl_one_rank"] is None
+    assert "weight group (gloo, two processes here)" in proc.stdout
 
 
 def test_estimate_takes_the_slower_of_trainer_and_searchers():
