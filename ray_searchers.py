@@ -6,39 +6,56 @@ the run imports it (this module imports it inside the functions that use it).
 
     python run_gsm8k.py --ray auto --num_searchers 12 --searcher_devices cuda   # docs/ray.md
 
-Three pieces:
+The pieces:
 
 * ``RaySearcherPool`` (the driver, in the trainer process) stands in for ``SearcherPool``
-  (``trainer.Parts.pool``), so ``Intake`` and ``run_tba`` use it unchanged. Each
-  ``collect`` (the intake thread, every ~50 ms) first notices a newer version in the trainer's
-  ``WeightStore`` and ``ray.put``s it once (copied on a CUDA stream of its own, which waits for
-  none of the trainer's kernels: ``StoreSnapshot``), then keeps at most ``ray_in_flight``
-  ``next_batch`` calls per actor (the backpressure: no actor runs further ahead of the trainer) and
-  ``ray.wait``s on them. A batch is the return value of a call.
-* ``WeightBoard``, a small actor on the driver's node, holds the newest ``(version, probe,
-  [ref])``. Searchers pull from it between generate calls, so an actor that Ray restarts finds
-  the newest version with nobody telling it, and every call runs on the actor's main thread (a
-  pushed version would need a concurrency group, which moves calls off the main thread: risky
-  for vLLM and CUDA). The ref travels inside a list, so Ray hands it over unresolved.
+  (``trainer.Parts.pool``), so ``Intake`` and ``run_tba`` use it unchanged. Each ``collect``
+  (the intake thread, every ~50 ms) keeps at most ``ray_in_flight`` ``next_batch`` calls per
+  actor (the backpressure: no actor runs further ahead of the trainer) and ``ray.wait``s on
+  them. A batch is the return value of a call.
 * ``SearcherActor`` builds the run's searcher (``Parts.searcher``: a checked one with
-  --parity_check) over a ``RayWeightSource`` (the WeightSource protocol over the board) and runs
-  ``Searcher.next_batch`` for each call.
+  --parity_check) over a WeightSource of the weight path, and runs ``Searcher.next_batch`` for
+  each call, on the actor's main thread (a call pushed into an actor would need a concurrency
+  group, which moves calls off the main thread: risky for vLLM and CUDA).
+* The weights, by one of two paths (``--ray_weights``):
 
-A version is never seen half-written: an object in Ray's object store is immutable once sealed,
-and the version and probe travel with its ref. Old versions are freed by reference counting
-once the driver and the board have moved on and no actor holds them; every actor on a node maps
-the one copy its node pulled.
+  - ``broadcast`` (the default), the weight group: a torch process group of its own, the
+    driver rank 0 and each actor a rank, built on a PrefixStore of a TCPStore the driver
+    serves (a fresh prefix for each incarnation of the group), gloo or NCCL
+    (``--ray_backend``). Ray carries only control: ``GroupBoard``, an async actor on the
+    driver's node, holds the group's plan, the version announced and each member's heartbeat.
+    ``GroupSender`` (a thread of the driver) sends each new version from the store itself in
+    buckets of one size, two in flight (``WeightGroup``); ``GroupWeightSource`` receives it on
+    a thread of the actor into a staging copy while the searcher generates, and the searcher
+    loads it between generate calls, so no version is ever half-loaded. Every wait has a
+    deadline (``--ray_weights_timeout_s``); a round with a member gone, hung or failed is given
+    up, the stragglers killed, the group rebuilt with the survivors, and a restarted actor
+    joins at the next round with a full copy (``GroupSender`` says how).
+  - ``object_store``: each ``collect`` first notices a newer version in the trainer's
+    ``WeightStore`` and ``ray.put``s it once (copied on a CUDA stream of its own, which waits
+    for none of the trainer's kernels: ``StoreSnapshot``); ``WeightBoard``, a small actor on
+    the driver's node, holds the newest ``(version, probe, [ref])`` (the ref inside a list,
+    so Ray hands it over unresolved), and each actor's ``RayWeightSource`` pulls it between
+    generate calls (once per node: every actor on a node maps the one copy its node pulled).
+    An object is immutable once sealed, and the version and probe travel with its ref.
+
+The broadcast path is the one the field's systems take (OpenRLHF, verl's checkpoint engine,
+slime, AReaL): on the loopback cluster Ray's object manager moved a version at a third of a
+raw gloo transfer's speed (OPERATIONS.md, "Ray", has both measured side by side).
 
 Faults: an actor whose process or node dies is restarted by Ray (``max_restarts``) on any node
 with room; its calls in flight fail with ``ActorUnavailableError`` and are issued again; the
 driver counts a restart each time a searcher reports a new incarnation, and fails the run past
-``max_searcher_restarts`` (all searchers together, as ``SearcherPool``). A searcher that raises
-is killed and restarted the same way; ``WeightsNotLoaded`` stops the run. Actors are not
-detached: if the driver dies, Ray ends them (fate sharing).
+``max_searcher_restarts`` (all searchers together, as ``SearcherPool``), naming the searcher
+and its node. A searcher that raises is killed and restarted the same way; ``WeightsNotLoaded``
+stops the run. Actors are not detached: if the driver dies, Ray ends them (fate sharing). What
+ran where (each actor's node, engine and device; the weight path and its seconds per version)
+goes to the run summary (``checks.record_ran``).
 
 Security: ``RAY_AUTH_MODE=token`` keeps out whoever lacks the cluster's token; it encrypts
-nothing, so the cluster needs a private network (docs/ray.md). ``connect`` turns a refusal for
-want of the token into one clear error within a second.
+nothing, so the cluster needs a private network (docs/ray.md); the weight group's sockets
+(the driver's TCPStore, gloo's pairs) carry no authentication at all. ``connect`` turns a
+refusal for want of the token into one clear error within a second.
 """
 
 from __future__ import annotations
