@@ -94,6 +94,9 @@ def test_smoke_preset_reports_step_time_memory_mop_and_lag(tiny_model_dir, tmp_p
     ):
         assert text in printed, text
     assert printed.splitlines()[-1] == summary["weights"]
+    assert summary["ran"]["trainer"]["ranks"] == 1
+    assert summary["ran"]["weights"]["path"] == "shared memory, on this machine"
+    assert "searchers: 0 HFEngine on cpu at" in printed and "weights: shared memory" in printed
     assert child_pids() == []
 
 
@@ -114,6 +117,43 @@ def test_a_check_not_asked_for_is_not_reported(capsys):
     assert "weights" not in printed and "checked" not in printed
     checks.print_summary(dict(summary, weights="weights reached every searcher (...)"))
     assert capsys.readouterr().out.splitlines()[-1] == "weights reached every searcher (...)"
+
+
+def test_the_summary_says_what_ran_where(tmp_path, tiny_model_dir, capsys):
+    """ran.json, merged from what each part records (launch.py the trainer and the local
+    searchers; a Ray pool its actors and weight path), with the weights' times from the
+    metrics, in the summary and its printed lines."""
+    tasks = (EvalConfig, run_gsm8k.GSM8KConfig)
+    argv = ["--model", tiny_model_dir, "--output_dir", str(tmp_path), "--num_searchers", "2"]
+    args = launch.argparser("", ["paper"], *tasks).parse_args(argv)
+    configs = launch.parse(args, {"searcher_devices": "cpu", "trainer_device": "cpu"}, *tasks)
+    checks.record_ran(tmp_path, launch.ran_here(configs, None))
+    rows = [
+        {"time/publish": 0.02, "time/load": 0.0},
+        {"time/publish": 0.04, "time/load": 0.01},
+        {"time/publish": 0.03},
+    ]
+    ran = checks.what_ran(tmp_path, rows)
+    assert ran["trainer"]["ranks"] == 1 and ran["trainer"]["device"] == "cpu"
+    assert {s["engine"] for s in ran["searchers"].values()} == {"HFEngine"}
+    assert ran["weights"]["path"] == "shared memory, on this machine"
+    assert ran["weights"]["publish_s_median"] == pytest.approx(0.03)
+    assert ran["weights"]["load_s_mean"] == pytest.approx(0.01)
+    ray_pool = {
+        "searchers": {"0": {"node": "10.0.0.2", "engine": "VLLMEngine", "device": "cuda:0"}},
+        "weights": {"path": "broadcast (gloo, buckets of 64 MiB)", "versions_sent": 9},
+    }
+    ray_pool["searchers"]["0"]["ray_actor"] = True
+    ray_pool["weights"]["seconds_per_version"] = 0.5
+    checks.record_ran(tmp_path, ray_pool)  # replaces the searchers and the weights, keeps the rest
+    lines = checks.ran_lines(checks.what_ran(tmp_path, rows))
+    host = ran["trainer"]["node"]
+    assert lines == [
+        f"trainer: 1 process, rank 0 on cpu at {host}",
+        "searchers (Ray actors): 0 VLLMEngine on cuda:0 at 10.0.0.2",
+        "weights: broadcast (gloo, buckets of 64 MiB): publish 0.030 s, to every searcher 0.500 "
+        "s per version (median of 9), each engine's load 0.010 s",
+    ]
 
 
 def test_weights_verdict_names_what_was_not_confirmed(tmp_path):

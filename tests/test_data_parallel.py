@@ -435,6 +435,8 @@ def test_sharded_data_parallel_run_publishes_evaluates_and_saves(tiny_model_dir,
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["steps"] == 4
     assert "parity checked after every load" in results["summary"]["weights"]
+    trainer = results["summary"]["ran"]["trainer"]  # what ran: two gloo ranks, sharded
+    assert (trainer["ranks"], trainer["backend"], trainer["sharded"]) == (2, "gloo", True)
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["trainer"]
     assert state["step"] == 4
     assert "model.embed_tokens.weight" in state["model"]
