@@ -602,27 +602,44 @@ class WeightGroup:
         ``CHECK_S``: its error, the deadline passed, or the round abandoned (a member's process
         gone, the group closed by the driver) as a WeightGroupError. A peer's death does not
         always fail gloo's operations at once (a blocked send waits for its timeout), hence
-        the check. Polled: NCCL's wait(timeout) does not bound the CPU's wait."""
-        error = None
-        checked = time.monotonic()
-        try:
-            while not work.is_completed():
-                now = time.monotonic()
-                if now > deadline:
-                    error = "the deadline passed"
-                    break
-                if self.abandon is not None and now - checked > self.CHECK_S:
-                    checked = now
-                    error = self.abandon()
-                    if error:
-                        break
-                time.sleep(0.0005)
-            else:
-                work.wait()  # raises the operation's error
-        except RuntimeError as exc:  # gloo: a peer's socket closed, or its own timeout
-            error = _first_line(exc)
-        if error is not None:
-            raise WeightGroupError(f"group {self.epoch}, rank {self.rank}: {error}")
+        the check."""
+        import datetime
+
+        while True:
+            now = time.monotonic()
+            if now > deadline:
+                error = "the deadline passed"
+                break
+            try:
+                if self._waited(work, min(self.CHECK_S, deadline - now), datetime):
+                    return
+            except RuntimeError as exc:  # gloo: a peer's socket closed, or its own timeout
+                error = _first_line(exc)
+                break
+            error = self.abandon() if self.abandon is not None else None
+            if error:
+                break
+        raise WeightGroupError(f"group {self.epoch}, rank {self.rank}: {error}")
+
+    def _waited(self, work, seconds: float, datetime) -> bool:
+        """True once ``work`` is done within ``seconds`` (its error raised), False if not yet.
+        gloo's wait(timeout) blocks (a timed-out wait leaves the operation as it was); NCCL's
+        does not bound the CPU's wait, so it is polled."""
+        if self.backend == "gloo":
+            try:
+                work.wait(datetime.timedelta(seconds=max(seconds, 0.001)))
+                return True
+            except RuntimeError:
+                if work.is_completed():
+                    raise  # the operation's own error
+                return False
+        until = time.monotonic() + seconds
+        while not work.is_completed() and time.monotonic() < until:
+            time.sleep(0.001)
+        if work.is_completed():
+            work.wait()  # raises the operation's error
+            return True
+        return False
 
     def close(self, wait_s: float = 0.0) -> None:
         """Let the group go on a thread of its own, waited for up to ``wait_s``: its destructor
