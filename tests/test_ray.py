@@ -280,6 +280,7 @@ def group_member(port: int, incarnations: list[tuple[int, int, int]], deadline_s
     a version into its staging copy and confirms; it says how each ended on ``out``."""
     torch.set_num_threads(1)
     staging = torch.zeros(GROUP_BYTES, dtype=torch.uint8)
+    out.put((0, "started", os.getpid()))
     for epoch, rank, world in incarnations:
         try:
             group = ray_searchers.WeightGroup(
@@ -323,18 +324,19 @@ def test_weight_group_member_killed_or_hung_mid_broadcast():
             "gloo", LOOPBACK, server.port, epoch, 0, world, deadline_s, LOOPBACK, server=server
         )
 
-    def said(epoch: int, what: str, count: int = 1) -> list:
+    def said(epoch: int, what: str, count: int = 1, timeout: float = 60) -> list:
         found = []
         while len(found) < count:
-            got_epoch, kind, detail = out.get(timeout=60)
+            got_epoch, kind, detail = out.get(timeout=timeout)
             assert (got_epoch, kind) == (epoch, what), (got_epoch, kind, detail)
             found.append(detail)
         return found
 
-    with time_limit(120):
+    with time_limit(200):
         for member in members.values():
             member.start()
         try:
+            said(0, "started", 2, timeout=100)  # imported: the rendezvous waits for no import
             first = group(1, 3, deadline_s)
             pids = said(1, "joined", 2)
             frozen = members["a"].pid
