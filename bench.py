@@ -1489,6 +1489,9 @@ def _weight_paths(name: str, model_kwargs: dict, dtype, searchers: int, reps: in
         ratios = [r[f"{path}_s"] / r["raw_gloo_s"] for r in rows]
         out[f"{path}_over_raw"] = statistics.median(ratios)
         out[f"{path}_over_raw_range"] = [min(ratios), max(ratios)]
+    # The driver's side of each round (announced until every member had it), warm-up apart:
+    # of broadcast_s, the rest is noticing the version, the actors' copy and Ray's replies.
+    out["round_s"] = statistics.median(sender.seconds[1:])
     out["rounds"] = len(sender.seconds)
     out["group_rebuilds"] = sender.rebuilds
     return out
