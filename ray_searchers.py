@@ -630,9 +630,10 @@ class WeightGroup:
                 work.wait(datetime.timedelta(seconds=max(seconds, 0.001)))
                 return True
             except RuntimeError:
-                if work.is_completed():
-                    raise  # the operation's own error
-                return False
+                if not work.is_completed():
+                    return False
+            work.wait()  # done meanwhile, or failed: its own outcome (raises its error)
+            return True
         until = time.monotonic() + seconds
         while not work.is_completed() and time.monotonic() < until:
             time.sleep(0.001)
