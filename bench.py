@@ -1358,9 +1358,14 @@ class _LoadActor:
     def load(self, version: int, path: str) -> float:
         """Wait until ``version`` is there by ``path`` (object_store or broadcast), then copy
         it in; the copy's seconds."""
-        source = self.object_store if path == "object_store" else self.group
-        while source.version() < version:
-            time.sleep(0.0005)
+        if path == "object_store":
+            source = self.object_store
+            while source.version() < version:
+                time.sleep(0.0005)
+        else:  # no polling: a searcher's main thread generates meanwhile, it does not spin
+            source = self.group
+            with source.cond:
+                source.cond.wait_for(lambda: source.version() >= version, 600)
         t0 = time.perf_counter()
         source.load_into(self._copy)
         return time.perf_counter() - t0
