@@ -63,6 +63,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import datetime
 import functools
 import math
 import os
@@ -521,8 +522,6 @@ class WeightGroup:
         server=None,
         abandon: Callable[[], str | None] | None = None,
     ):
-        import datetime
-
         import torch.distributed as dist
 
         self.backend = backend
@@ -556,9 +555,9 @@ class WeightGroup:
         """Rank 0's ``flat`` (bytes, uint8) into every other rank's ``flat``, in buckets."""
         import torch.distributed as dist
 
-        staged = flat.device != self.device  # NCCL, host memory: through two GPU buffers
+        through_wires = flat.device != self.device  # NCCL, host memory: two GPU buffers
         wires = []
-        if staged:
+        if through_wires:
             size = min(bucket_bytes, flat.numel())
             wires = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
         options = dist.BroadcastOptions()
@@ -569,7 +568,7 @@ class WeightGroup:
                 self._landed(in_flight.popleft(), flat, deadline)
             piece = flat[start : start + bucket_bytes]
             wire = piece
-            if staged:
+            if through_wires:
                 wire = wires[index % 2][: piece.numel()]
                 if self.rank == 0:
                     wire.copy_(piece)
@@ -603,15 +602,13 @@ class WeightGroup:
         gone, the group closed by the driver) as a WeightGroupError. A peer's death does not
         always fail gloo's operations at once (a blocked send waits for its timeout), hence
         the check."""
-        import datetime
-
         while True:
             now = time.monotonic()
             if now > deadline:
                 error = "the deadline passed"
                 break
             try:
-                if self._waited(work, min(self.CHECK_S, deadline - now), datetime):
+                if self._waited(work, min(self.CHECK_S, deadline - now)):
                     return
             except RuntimeError as exc:  # gloo: a peer's socket closed, or its own timeout
                 error = _first_line(exc)
@@ -621,7 +618,7 @@ class WeightGroup:
                 break
         raise WeightGroupError(f"group {self.epoch}, rank {self.rank}: {error}")
 
-    def _waited(self, work, seconds: float, datetime) -> bool:
+    def _waited(self, work, seconds: float) -> bool:
         """True once ``work`` is done within ``seconds`` (its error raised), False if not yet.
         gloo's wait(timeout) blocks (a timed-out wait leaves the operation as it was); NCCL's
         does not bound the CPU's wait, so it is polled."""
@@ -869,8 +866,6 @@ class GroupSender:
         kill: Callable[[int, dict, str], None],
         log: Callable[[str], None] = print,
     ):
-        import datetime
-
         import torch.distributed as dist
 
         self.store = store
