@@ -49,11 +49,13 @@ intake             the trainer's intake of trajectories: ReplayBuffer.add per se
 tldr_staleness     TL;DR tiny (run_tldr's tiny preset) trained on data d versions stale in one
                    process (the staleness section's controlled lag): the gold win rate of greedy
                    summaries against the references, per loss and lag (--lags 0,15).
-ray                searchers as Ray actors (only when named in --sections; needs ray): a version of
-                   a 110M-parameter Llama from the trainer's publish to an actor on another Ray
-                   node (ray.put, the board, the actor's pull and copy), against a raw gloo send
-                   of the same bytes, per pair; and trajectories/s of actor calls into the driver
-                   against the in-node queue; with the parallel speedup measured beside them.
+ray                searchers as Ray actors (only when named in --sections; needs ray): a version
+                   (438 MB to one actor and to three, rho-1b's 2.2 GB in bf16 to one; each actor
+                   on a Ray node of its own) from the trainer's store to the actors' tensors by
+                   the weight group, by the object store (ray.put, the board, each node's pull),
+                   and by one raw gloo broadcast of the same bytes to the same ranks, in turn;
+                   and trajectories/s of actor calls into the driver against the in-node queue;
+                   with the parallel speedup measured beside them.
 machine            versions, cores, and how much two processes gain over one right now (2.0 on
                    two idle cores): asynchrony overlaps two processes, so it needs that gain.
 """
