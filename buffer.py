@@ -69,6 +69,10 @@ class Trajectory:
     # log pi_b(y|x): the generating weights' log-prob of the response, summed over the scored
     # tokens by that same rule; TB's trust region reads it (tba.tb_loss). None: not recorded.
     behaviour_logprob: float | None = None
+    # Which reference scored ref_logprob: 0, the frozen p_ref of the run; an extension that
+    # resets p_ref to the policy (tba_prime.py) sets the policy version it copied, so that a
+    # loss never pairs this log p_ref with another reference.
+    ref_version: int = 0
 
 
 TOKEN_TYPE = "i"  # array typecode of stored token ids: int32 (every vocabulary is < 2**31)
@@ -100,6 +104,7 @@ class StoredTrajectory:
         "prompt",
         "prompt_id",
         "ref_logprob",
+        "ref_version",
         "response",
         "reward",
         "version",
@@ -116,6 +121,7 @@ class StoredTrajectory:
         packed_token_logprobs: dict[str, bytes] | None = None,
         behaviour_logprob: float | None = None,
         draws: int = 0,
+        ref_version: int = 0,
     ):
         self.prompt_id = prompt_id
         self.prompt = prompt  # packed prompt token ids
@@ -126,6 +132,7 @@ class StoredTrajectory:
         self.packed_token_logprobs = packed_token_logprobs
         self.behaviour_logprob = behaviour_logprob
         self.draws = draws  # how many steps ``sample`` has handed it to
+        self.ref_version = ref_version
 
     @classmethod
     def from_trajectory(cls, traj: Trajectory, prompt: bytes) -> StoredTrajectory:
@@ -142,6 +149,7 @@ class StoredTrajectory:
             traj.version,
             token_logprobs,
             traj.behaviour_logprob,
+            ref_version=traj.ref_version,
         )
 
     @property
@@ -168,6 +176,7 @@ class StoredTrajectory:
             self.version,
             self.token_logprobs,
             self.behaviour_logprob,
+            self.ref_version,
         )
 
 
@@ -499,6 +508,7 @@ def _columns(group: list[StoredTrajectory]) -> dict:
         "reward": _text(pack([t.reward for t in group], FLOAT_TYPE)),
         "ref_logprob": _text(pack([t.ref_logprob for t in group], FLOAT_TYPE)),
         "version": _text(pack([t.version for t in group], _COUNT_TYPE)),
+        "ref_version": _text(pack([t.ref_version for t in group], _COUNT_TYPE)),
         "draws": _text(pack([t.draws for t in group], _COUNT_TYPE)),
         "behaviour_logprob": _text(
             pack([_nan_if_none(t.behaviour_logprob) for t in group], FLOAT_TYPE)
@@ -518,6 +528,10 @@ def _from_columns(prompt_id: Hashable, columns: dict) -> list[StoredTrajectory]:
     rewards = unpack(_bytes(columns["reward"]), FLOAT_TYPE)
     ref_logprobs = unpack(_bytes(columns["ref_logprob"]), FLOAT_TYPE)
     versions = unpack(_bytes(columns["version"]), _COUNT_TYPE)
+    # A state written before the reference had a version holds none: the run's own p_ref.
+    ref_versions = [0] * len(sizes)
+    if "ref_version" in columns:
+        ref_versions = unpack(_bytes(columns["ref_version"]), _COUNT_TYPE)
     draws = unpack(_bytes(columns["draws"]), _COUNT_TYPE)
     behaviour = [
         None if math.isnan(x) else x
@@ -527,7 +541,8 @@ def _from_columns(prompt_id: Hashable, columns: dict) -> list[StoredTrajectory]:
         None if per_item is None else {k: _bytes(v) for k, v in per_item.items()}
         for per_item in columns["token_logprobs"]
     ]
-    lengths = {len(column) for column in (rewards, ref_logprobs, versions, draws, behaviour)}
+    columns_read = (rewards, ref_logprobs, versions, ref_versions, draws, behaviour)
+    lengths = {len(column) for column in columns_read}
     if lengths | {len(token_logprobs)} != {len(sizes)}:
         raise ValueError(f"ReplayBuffer.load_state_dict: columns of unequal length, {prompt_id!r}")
     prompt = _bytes(columns["prompt_tokens"])
@@ -546,6 +561,7 @@ def _from_columns(prompt_id: Hashable, columns: dict) -> list[StoredTrajectory]:
                 token_logprobs[i],
                 behaviour[i],
                 draws[i],
+                ref_versions[i],
             )
         )
         start += size

@@ -171,6 +171,27 @@ def test_buffer_state_round_trips_per_token_log_probs(tmp_path):
     assert copy.by_prompt[1][0].token_logprobs is None
 
 
+def test_buffer_keeps_each_items_reference_version(tmp_path):
+    """Trajectory.ref_version (which reference scored ref_logprob) comes back from sample and
+    from a checkpoint; a duplicate's newer copy brings its own; a state written before the
+    field existed loads with 0, the run's own reference."""
+    buf = ReplayBuffer(capacity=4, seed=1)
+    buf.add(dataclasses.replace(traj(0, [7, 1]), ref_version=50))
+    buf.add(traj(1, [8, 1]))
+    buf.add(dataclasses.replace(traj(1, [8, 1], version=3), ref_version=100))  # replaces it
+    assert sorted(t.ref_version for g in buf.sample(2, 1)[0] for t in g) == [50, 100]
+    state = buf.state_dict()
+    torch.save(state, tmp_path / "buf.pt")
+    copy = ReplayBuffer()
+    copy.load_state_dict(torch.load(tmp_path / "buf.pt", weights_only=True))
+    assert [copy.groups[p][0].ref_version for p in (0, 1)] == [50, 100]
+    for _, columns in state["groups"]:
+        del columns["ref_version"]
+    older = ReplayBuffer()
+    older.load_state_dict(state)
+    assert [older.groups[p][0].ref_version for p in (0, 1)] == [0, 0]
+
+
 class ListLayoutBuffer(ReplayBuffer):
     """The slow reference: ReplayBuffer.add as it was before items were packed (Trajectory
     records holding lists, deduplication by tuples, a sort per add), with the same sampling."""
