@@ -11,6 +11,13 @@ rule: temperature and EOS), and log p_ref per token for the KL (``GRPOSearcher``
 "behaviour" and "reference"). Asynchronous GRPO trains on data up to barrier_lag
 versions old, which only the clip keeps in check; --synchronous is its home.
 
+Dr. GRPO (``--grpo_dr``; Liu et al. 2025, "Understanding R1-Zero-Like Training", Sec. 3.2)
+is the same objective without its two normalisations: the advantage r - mean r, not divided by
+the group's standard deviation, and the loss summed over a response's tokens and divided by a
+constant (the batch's responses times max_new_tokens, as its code divides by the generation
+budget), not by the tokens there are. TBA′'s released GRPO baseline (bbartoldson/tba-prime,
+PRIME-RL's advantages) also centres without the std (docs/tba_prime.md).
+
 One departure from TRL: pi_old is the engine's own log-prob of the sample (vLLM's on GPUs),
 where TRL with one update per batch takes the trainer's (logp.detach()), so on-policy the ratio
 is 1 only up to the numerical difference of the two engines (grpo/ratio_mean shows it); the
@@ -47,6 +54,12 @@ class GRPOConfig:
     grpo_kl_coef: float = knob(
         0.04, "GRPO: weight of the k3 KL to p_ref (DeepSeekMath's 0.04; TRL's default is 0)"
     )
+    grpo_dr: bool = knob(
+        False,
+        "Dr. GRPO (Liu et al. 2025) with --loss grpo: advantages r - mean r (no division by "
+        "the group's std) and the loss summed over tokens over a constant, responses x "
+        "max_new_tokens (no division by length); off: GRPO as TRL",
+    )
 
     def __post_init__(self) -> None:
         need(self.loss in ("tb", "grpo"), f"--loss {self.loss!r} is not one of tb, grpo")
@@ -55,6 +68,7 @@ class GRPOConfig:
             f"--grpo_clip_eps must be in (0, 1), got {self.grpo_clip_eps}",
         )
         need(self.grpo_kl_coef >= 0, f"--grpo_kl_coef must be >= 0, got {self.grpo_kl_coef}")
+        need(not self.grpo_dr or self.loss == "grpo", "--grpo_dr (Dr. GRPO) needs --loss grpo")
 
 
 def install(parts: Parts, cfg: GRPOConfig) -> Parts:
@@ -70,11 +84,15 @@ def install(parts: Parts, cfg: GRPOConfig) -> Parts:
 # ----------------------------------------------------------------------------- the losses
 
 
-def grpo_advantages(reward: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+def grpo_advantages(reward: torch.Tensor, eps: float = 1e-4, scale: bool = True) -> torch.Tensor:
     """Group-relative advantages of the GRPO baseline (DeepSeekMath Sec. 4.1.2, outcome
     supervision), fp32, shape (P, K) like ``reward`` (K responses to each of P prompts):
 
-        A_pk = (r_pk - mean_k r_pk) / (std_k r_pk + eps)
+        A_pk = (r_pk - mean_k r_pk) / (std_k r_pk + eps)     (scale: GRPO)
+        A_pk =  r_pk - mean_k r_pk                            (no scale: Dr. GRPO)
+
+    Dr. GRPO (Liu et al. 2025, Sec. 3.2) drops the division: it weighs a group whose rewards
+    barely differ (nearly all right, or nearly all wrong) up, the difficulty bias it removes.
 
     std_k is the sample standard deviation over the K responses (Bessel: divide by K - 1), as
     TRL's GRPOTrainer computes it (``scale_rewards="group"``, eps = 1e-4); DeepSeekMath says
@@ -99,7 +117,10 @@ def grpo_advantages(reward: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     if not torch.isfinite(r).all():
         raise ValueError("grpo_advantages: reward has NaN or inf entries")
     centred = r - r.mean(dim=1, keepdim=True)
-    scaled = centred / (r.std(dim=1, correction=1, keepdim=True) + eps)
+    if not scale:
+        scaled = centred
+    else:
+        scaled = centred / (r.std(dim=1, correction=1, keepdim=True) + eps)
     constant = (r == r[:, :1]).all(dim=1, keepdim=True)
     return scaled.masked_fill(constant, 0.0)
 
@@ -126,6 +147,7 @@ def grpo_loss(
     advantages: torch.Tensor,
     clip_eps: float = 0.2,
     kl_coef: float = 0.0,
+    normalizer: float | None = None,
 ) -> torch.Tensor:
     """GRPO loss, the on-policy baseline (DeepSeekMath Eq. 3) with token-level averaging (DAPO
     Sec. 3.3). Needs only torch; copy it anywhere. Follows Hugging Face TRL's GRPOTrainer
@@ -144,6 +166,7 @@ def grpo_loss(
         surr_it = min(rho_it A_i, clip(rho_it, 1 - clip_eps, 1 + clip_eps) A_i)
         kl_it   = exp(ref_it - logp_it) - (ref_it - logp_it) - 1                  (k3)
         loss    = -sum_it m_it (surr_it - kl_coef kl_it) / sum_it m_it
+                  (``normalizer`` given: / normalizer in place of sum_it m_it)
 
     Contract for a copier: ``logp`` and ``old_logp`` (and ``ref_logp``) must be scored by one
     rule -- the same temperature and the same tokens (a final EOS on both sides or on neither);
@@ -154,7 +177,11 @@ def grpo_loss(
     tokens first (TRL "grpo"), which favours short correct and long wrong responses (the length
     bias of Dr. GRPO, Liu et al. 2025). With no real token the loss is 0 (the denominator is
     clamped at 1). Gradient accumulation over micro-batches must divide by the token count of
-    the whole batch: scale each micro-batch's loss by its tokens / all tokens.
+    the whole batch: scale each micro-batch's loss by its tokens / all tokens. Dr. GRPO divides
+    by a constant instead, ``normalizer`` = the batch's responses times the generation budget
+    (its code's ``generate_max_length``), so a token weighs the same in a long response as in a
+    short one and in a small batch as in a large one; pass the whole batch's constant to each
+    micro-batch and sum their losses.
 
     Clipping: a token whose ratio has moved past the clip range in its advantage's direction
     (A > 0 and rho > 1 + eps, or A < 0 and rho < 1 - eps) takes the constant clipped branch and
@@ -191,6 +218,8 @@ def grpo_loss(
         raise ValueError(f"grpo_loss: kl_coef must be >= 0, got {kl_coef}")
     if kl_coef > 0 and ref_logp is None:
         raise ValueError("grpo_loss: kl_coef > 0 needs ref_logp")
+    if normalizer is not None and normalizer <= 0:
+        raise ValueError(f"grpo_loss: normalizer must be > 0, got {normalizer}")
     m = mask.bool()
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
     lp = torch.where(m, logp.float(), zero)
@@ -203,6 +232,8 @@ def grpo_loss(
         ref = torch.where(m, ref_logp.detach().float(), zero)
         per_token = per_token + kl_coef * k3_kl(lp, ref)
     per_token = torch.where(m, per_token, zero)
+    if normalizer is not None:
+        return per_token.sum() / normalizer
     return per_token.sum() / m.sum().clamp(min=1)
 
 
@@ -246,9 +277,11 @@ class GRPOTrainer(Trainer):
         """4. grpo_loss over ``micro_batches``: advantages per group (a group's rewards
         alone set its advantages); each pass's token mean weighted by its share of the batch's
         scored tokens, so the passes sum to grpo_loss on the whole batch (token-level), gradient
-        included. GRPO has no beta (its KL weight is grpo_kl_coef). The searchers recorded
-        log pi_old and log p_ref per scored token (``tba.scored_tokens``); a list that does not
-        match the tokens scored here is an error naming the prompt."""
+        included; Dr. GRPO (``grpo_dr``): each pass's token sum over the whole batch's constant,
+        responses x max_new_tokens, unweighted. GRPO has no beta (its KL weight is
+        grpo_kl_coef). The searchers recorded log pi_old and log p_ref per scored token
+        (``tba.scored_tokens``); a list that does not match the tokens scored here is an error
+        naming the prompt."""
         cfg = self.grpo
         for t in (t for g in groups for t in g):
             if t.token_logprobs is None:
@@ -257,6 +290,9 @@ class GRPOTrainer(Trainer):
                     "log-probs (made by a searcher, or saved in a checkpoint, under --loss tb)"
                 )
         total = sum(len(t.token_logprobs["behaviour"]) for g in groups for t in g)
+        constant = None  # Dr. GRPO's denominator: every response at the generation budget
+        if cfg.grpo_dr:
+            constant = float(sum(len(g) for g in groups) * self.cfg.max_new_tokens)
         keys = ("loss", "clip_frac", "kl", "ratio_mean")
         sums = dict.fromkeys(keys, 0.0)
         logp_sum = 0.0
@@ -274,11 +310,14 @@ class GRPOTrainer(Trainer):
             old = padded([t.token_logprobs["behaviour"] for t in flat], logp.shape[1], self.device)
             ref = padded([t.token_logprobs["reference"] for t in flat], logp.shape[1], self.device)
             reward = torch.tensor([[t.reward for t in g] for g in chunk], device=self.device)
-            adv = grpo_advantages(reward).reshape(-1)
-            share = int(mask.sum()) / max(total, 1)
-            loss = grpo_loss(logp, old, ref, mask, adv, cfg.grpo_clip_eps, cfg.grpo_kl_coef)
-            (loss * share).backward()
-            sums["loss"] += loss.item() * share
+            adv = grpo_advantages(reward, scale=not cfg.grpo_dr).reshape(-1)
+            share = int(mask.sum()) / max(total, 1)  # of the batch's tokens: the metrics' weight
+            clip, kl = cfg.grpo_clip_eps, cfg.grpo_kl_coef
+            loss = grpo_loss(logp, old, ref, mask, adv, clip, kl, normalizer=constant)
+            if constant is None:  # a token mean over this pass: weighted by its share
+                loss = loss * share
+            loss.backward()
+            sums["loss"] += loss.item()
             for key, value in grpo_metrics(logp, old, ref, mask, adv, cfg.grpo_clip_eps).items():
                 sums[key] += value.item() * share
             logp_sum += logp.detach().sum().item()

@@ -110,6 +110,11 @@ def install(parts: Parts, cfg: OffPolicyConfig) -> Parts:
     attribute); unchanged when none is. Call it after ``grpo.install``: the GRPO corrections
     need the GRPO trainer, the TB one the TB trainer (a ConfigError otherwise)."""
     check(cfg, "grpo" if issubclass(parts.trainer, GRPOTrainer) else "tb")
+    need(
+        not cfg.grpo_on() or not parts.trainer.grpo.grpo_dr,
+        "--grpo_dr (Dr. GRPO) is GRPO's clipped objective, which --grpo_m2po_tau and "
+        "--grpo_decoupled replace: choose one",
+    )
     if cfg.grpo_on():
         base = OffPolicyGRPOTrainer
     elif cfg.tb_m2_tau > 0 or cfg.tb_clip_horizon > 0:

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import offpolicy
 from buffer import ReplayBuffer, Trajectory
 from evaluate import EvalHFEngine
-from grpo import GRPOConfig, grpo_advantages, grpo_loss, grpo_metrics, k3_kl, padded
+from grpo import GRPOConfig, grpo_advantages, grpo_loss, grpo_metrics, install, k3_kl, padded
 from helpers import checked, child_pids, grpo_parts, time_limit
 from tba import (
     group_token_logprobs,
@@ -24,7 +25,7 @@ from tiny import (
     TINY_PRESET,
     cpu_config,
 )
-from trainer import Trainer, run_tba
+from trainer import Parts, Trainer, run_tba
 
 
 def random_grpo_batch(seed, b=6, t=7, spread=0.6):
@@ -95,6 +96,12 @@ def test_grpo_loss_matches_slow_loop(clip_eps, kl_coef):
         assert torch.isfinite(grad).all()
         want_grad = torch.tensor(want_grad, dtype=torch.float64)
         torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-7)
+        # Dr. GRPO's constant denominator in place of the token count: the same sums over it
+        tokens = int(mask.sum())
+        dr = grpo_loss(x, old_g, ref_g, mask, adv, clip_eps, kl_coef, normalizer=50.0)
+        (dr_grad,) = torch.autograd.grad(dr, x)
+        assert dr.item() == pytest.approx(want * tokens / 50.0, rel=1e-5, abs=1e-6)
+        torch.testing.assert_close(dr_grad, want_grad * tokens / 50.0, rtol=1e-5, atol=1e-7)
 
 
 def test_grpo_loss_computes_in_fp32_from_bf16_inputs():
@@ -221,10 +228,12 @@ def test_grpo_advantages_match_slow_loop_and_zero_variance_groups_get_zero():
     gen = torch.Generator().manual_seed(11)
     reward = torch.randn(5, 6, generator=gen, dtype=torch.float64) * 3
     got = grpo_advantages(reward)
+    centred = grpo_advantages(reward, scale=False)  # Dr. GRPO's
     assert got.dtype == torch.float32 and got.shape == reward.shape
-    for row, got_row in zip(reward.tolist(), got.tolist(), strict=True):
+    for row, got_row, dr_row in zip(reward.tolist(), got.tolist(), centred.tolist(), strict=True):
         mean, std = statistics.fmean(row), statistics.stdev(row)  # sample std, as TRL
         assert got_row == pytest.approx([(r - mean) / (std + 1e-4) for r in row], rel=1e-5)
+        assert dr_row == pytest.approx([r - mean for r in row], rel=1e-5)
     # Equal rewards give exactly 0: in fp32 the mean of 8 copies of 0.9 or 1000.3 is an ulp
     # off, which (r - mean) / (std + 1e-4) would blow up to ~6e-4 and ~0.37.
     reward = torch.tensor([[0.9] * 8, [1000.3] * 8, [1.0] * 8, [0.0, 1.0] * 4, [0.7] * 8])
@@ -284,18 +293,21 @@ def test_system_grpo_on_the_same_searchers_buffer_and_trainer(
     assert child_pids() == []
 
 
-def grpo_trainer(model_dir: str, **overrides) -> Trainer:
+def grpo_trainer(model_dir: str, dr: bool = False, **overrides) -> Trainer:
     values = dict(num_generations=3, responses_per_prompt=3, prompts_per_step=4)
     values.update(overrides)
-    trainer_class = grpo_parts().trainer
+    trainer_class = install(Parts(), GRPOConfig(loss="grpo", grpo_dr=dr)).trainer
     return trainer_class(cpu_config(model_dir, **values), torch.device("cpu"), pad_id=0, eos_id=1)
 
 
-def test_grpo_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
+@pytest.mark.parametrize("dr", [False, True])
+def test_grpo_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir, dr):
     """Trainer.backward under --loss grpo in passes of 1, 2 or all 4 prompt groups gives
     grpo_loss on the whole (P, K) batch, token-level, and its gradient: each pass weighs by its
     share of the scored tokens. Responses end in EOS (not scored) or are cut; one is EOS only;
-    one group's rewards are all equal; behaviour log-probs are off-policy, so some clip."""
+    one group's rewards are all equal; behaviour log-probs are off-policy, so some clip. Dr.
+    GRPO (--grpo_dr): advantages not scaled by the std, each pass's token sum over the whole
+    batch's responses x max_new_tokens."""
     rng = random.Random(0)
     groups = [
         [
@@ -312,7 +324,7 @@ def test_grpo_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
         for p in range(4)
     ]
     groups[0][0].response_tokens = [1]
-    trainer = grpo_trainer(tiny_model_dir)
+    trainer = grpo_trainer(tiny_model_dir, dr)
     logp, mask = group_token_logprobs(
         trainer.model,
         [g[0].prompt_tokens for g in groups],
@@ -330,8 +342,9 @@ def test_grpo_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
         n = int(mask[i].sum())
         t.token_logprobs = {"behaviour": old[i, :n].tolist(), "reference": ref[i, :n].tolist()}
     reward = torch.tensor([[t.reward for t in g] for g in groups])
-    adv = grpo_advantages(reward).reshape(-1)
-    want_loss = grpo_loss(logp, old, ref, mask, adv, clip_eps=0.2, kl_coef=0.04)
+    adv = grpo_advantages(reward, scale=not dr).reshape(-1)
+    constant = 12 * trainer.cfg.max_new_tokens if dr else None
+    want_loss = grpo_loss(logp, old, ref, mask, adv, 0.2, 0.04, normalizer=constant)
     want_grads = torch.autograd.grad(want_loss, list(trainer.model.parameters()))
     want_metrics = grpo_metrics(logp, old, ref, mask, adv, clip_eps=0.2)
     assert 0 < want_metrics["clip_frac"] < 1 and (adv.view(4, 3)[0] == 0).all()
@@ -365,6 +378,12 @@ def test_grpo_config_is_the_baselines():
         GRPOConfig(grpo_clip_eps=1.0)
     with pytest.raises(ValueError, match="grpo_kl_coef"):
         GRPOConfig(grpo_kl_coef=-0.1)
+    assert not cfg.grpo_dr
+    with pytest.raises(ValueError, match=r"grpo_dr .* needs --loss grpo"):
+        GRPOConfig(grpo_dr=True)
+    dr_parts = install(Parts(), GRPOConfig(loss="grpo", grpo_dr=True))
+    with pytest.raises(ValueError, match="choose one"):  # Dr. GRPO is the clipped objective
+        offpolicy.install(dr_parts, offpolicy.OffPolicyConfig(grpo_decoupled=True))
 
 
 @pytest.mark.parametrize("tempered, eos_in_logprob", [(True, False), (False, True)])
