@@ -31,6 +31,7 @@ import grpo
 import offpolicy
 import ray_searchers
 import report
+import tba_prime
 from cli import config_argparser, configs_from_args
 from engines import wants_vllm
 from tba import ConfigError, RunError, TBAConfig
@@ -40,6 +41,7 @@ from trainer import Parts, Trainer
 EXTENSION_CONFIGS = (
     grpo.GRPOConfig,
     offpolicy.OffPolicyConfig,
+    tba_prime.PrimeConfig,
     checks.ChecksConfig,
     data_parallel.DataParallelConfig,
     ray_searchers.RayConfig,
@@ -55,6 +57,7 @@ class Configs:
     tba: TBAConfig
     grpo: grpo.GRPOConfig
     offpolicy: offpolicy.OffPolicyConfig
+    prime: tba_prime.PrimeConfig
     checks: checks.ChecksConfig
     data_parallel: data_parallel.DataParallelConfig
     ray: ray_searchers.RayConfig
@@ -78,9 +81,11 @@ def argparser(description: str, presets: list[str], *task_configs: type) -> argp
 def parse(args: argparse.Namespace, base: dict, *task_configs: type) -> Configs:
     """The configs of ``args`` over the preset ``base``; a bad value is a ConfigError."""
     tba, *rest = configs_from_args(args, base, TBAConfig, *EXTENSION_CONFIGS, *task_configs)
-    grpo_cfg, offpolicy_cfg, checks_cfg, dp_cfg, ray_cfg, report_cfg, *task = rest
+    grpo_cfg, offpolicy_cfg, prime_cfg, checks_cfg, dp_cfg, ray_cfg, report_cfg, *task = rest
     offpolicy.check(offpolicy_cfg, grpo_cfg.loss, tba.tb_clip_eps)  # before any model loads
-    return Configs(tba, grpo_cfg, offpolicy_cfg, checks_cfg, dp_cfg, ray_cfg, report_cfg, task)
+    return Configs(
+        tba, grpo_cfg, offpolicy_cfg, prime_cfg, checks_cfg, dp_cfg, ray_cfg, report_cfg, task
+    )
 
 
 def config_dict(configs: Configs) -> dict:
@@ -90,6 +95,7 @@ def config_dict(configs: Configs) -> dict:
         configs.tba,
         configs.grpo,
         configs.offpolicy,
+        configs.prime,
         configs.checks,
         configs.data_parallel,
         configs.ray,
@@ -109,9 +115,11 @@ def parts(configs: Configs) -> Parts:
             chosen = task.install(chosen)
     chosen = grpo.install(chosen, configs.grpo)
     chosen = offpolicy.install(chosen, configs.offpolicy)
+    chosen = tba_prime.install(chosen, configs.prime)  # over the loss the flags chose
     probe = parity_probe(configs)
     if probe is not None:
         chosen = checks.install(chosen, probe)
+    chosen = tba_prime.configure(chosen, configs.prime)  # once the searcher is wrapped
     return ray_searchers.install(chosen, configs.ray)  # Ray itself is imported only if asked
 
 

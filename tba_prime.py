@@ -1,0 +1,645 @@
+"""TBA′ (the paper's last experiment): a simplified TBA on PRIME-RL's asynchronous pipeline, as
+in the authors' bbartoldson/tba-prime, with its three settings as flags over this system.
+
+The paper trains Qwen2.5-7B on MATH with it and reports that it "remained stable under a
+10-step off-policy setting where Dr. GRPO exhibited noticeable oscillations". The released
+configs (MATH_experiments/TBA_qwen_b005_async10_reset50_IS): lr 1e-6, 16 responses per prompt
+sampled and trained, async level 10, beta 0.005, the TB loss with importance sampling, the
+reference reset to the policy every 50 steps, 4,096-token sequences. docs/tba_prime.md has the
+experiments and the GPU recipe (run_math.py).
+
+1. The loss (``--tb_prime``; ``prime_tb_loss``). TB's gradient written per token with an
+   advantage, the form of the released ``tba_loss``: on-policy TB's gradient is REINFORCE on
+   the KL-regularised reward R = r - beta log(pi / p_ref) with the group's mean as baseline
+   (tba.tb_loss, "On-policy link"), so with
+
+       A_i = (r_i - mean_K r) - beta (KL_i - mean_K KL),   KL_i = log pi(y_i) - log p_ref(y_i)
+
+   each token of response i is pushed by -A_i, in a token mean over the batch. The released
+   code's log Z is the group's mean reward and the KL term is centred on the group's mean KL,
+   which is A's two means. With importance sampling (``--prime_is``, the released IS configs)
+   each token's push is weighted by its ratio pi / pi_b to the weights that sampled it,
+   clamped at ``--prime_ratio_cap`` (8, the released clamp), which is what makes stale data
+   usable: the estimate is of the gradient at the current policy.
+2. The reference that resets (``--ref_reset_every`` R; ``ResetTrainer``, ``PrimeSearcher``).
+   Every R steps p_ref becomes the policy: on the trainer, which copies its weights into its
+   own reference model at step R, 2R, ...; on every searcher, which copies the weights it loads
+   into its reference model once it holds a version at or past the next multiple of R. Each
+   trajectory carries the version of the reference that scored its log p_ref
+   (``Trajectory.ref_version``: 0, the run's initial p_ref; else the policy version copied).
+   Before any loss, the trainer gives every item whose reference is not its own a new log p_ref
+   from its own reference model (``current_reference``), so no loss pairs a log p_ref with
+   another reference. What this costs: the items scored before a reset and trained after it
+   (in TBA′'s setting, the batches generated in the A versions before each reset), and those
+   of a searcher that reset at a later version than R (it loads the newest version, which may
+   be past R): a reference forward each, which the released code spends on every item (its
+   trainer scores all of log p_ref). ``reference/rescored_frac`` counts them.
+3. The async level A (``--async_level``; ``OnceTrainer``, ``OnceBuffer``): each generate
+   call's group of a prompt is trained once, oldest first, and only while it was generated at
+   most A versions behind the weights the step starts from; older groups are dropped
+   (``buffer/dropped``). No replay, no most-on-policy draw (``async/mop_frac`` is 0).
+
+Departures from the released code, with reasons:
+  * KL_i is the sequence sum of log pi - log p_ref, not a sum of per-token terms each clamped
+    to +-10 nats: the searchers send log p_ref summed, as the core's TB needs it; at lr 1e-6 no
+    token's log-ratio comes near 10 (``prime/kl_mean`` shows it).
+  * ``--prime_kl_from behaviour`` computes KL_i from the sampler's log-probs (the released
+    ``kl_per_sample_source inference`` and ``kl_mean_source inference``), so that A comes from
+    the data alone and a group's responses may be split over passes (a ``--micro_batch_size``
+    below K) and ranks, which 16 responses of up to 4,096 tokens of a 7B model need
+    (docs/tba_prime.md, the memory plan). The default ``policy`` is the released default: KL_i
+    from the policy being trained, which needs a group's K responses in one pass.
+  * Searchers are not held back: the released inference waits when it is A steps ahead;
+    here they generate on and the trainer drops what has grown too old.
+  * The optimizer is not reset with the reference (the released resetOpt configs are a
+    variant; the IS configs keep AdamW's moments).
+
+The extension: ``PrimeConfig`` (its flags), ``prime_advantages`` and ``prime_tb_loss`` (torch
+only), ``PrimeTrainer`` (the loss), ``ResetTrainer`` and ``PrimeSearcher`` (the reference),
+``OnceTrainer`` and ``OnceBuffer`` (the async level), ``install`` and ``configure``, which put
+them in a run's Parts (launch.parts calls both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from buffer import ReplayBuffer, Trajectory
+from grpo import GRPOSearcher, GRPOTrainer, padded
+from searcher import SearcherSetup
+from tba import ConfigError, TBAConfig, group_token_logprobs, knob, load_causal_lm, need
+from trainer import Parts, Trainer, offpolicy_metrics
+
+# The released TBA′ MATH config (MATH_experiments/TBA_qwen_b005_async10_reset50_IS), as flags.
+PRIME_VALUES: dict = dict(tb_prime=True, prime_is=True, async_level=10, ref_reset_every=50)
+
+
+@dataclass
+class PrimeConfig:
+    """TBA′'s settings (tba_prime.py): its loss, the reference reset, the async level."""
+
+    tb_prime: bool = knob(
+        False,
+        "TBA′'s loss (tba_prime.prime_tb_loss): TB's gradient per token, advantage (r - mean r) "
+        "- beta (KL - mean KL) over each prompt's responses, a token mean; with --loss tb",
+    )
+    prime_is: bool = knob(
+        True,
+        "TBA′'s loss: weigh each token by its ratio pi / pi_b to the weights that sampled it "
+        "(released IS configs: on); off: the plain score function",
+    )
+    prime_ratio_cap: float = knob(
+        8.0, "TBA′'s loss: the ratio is clamped to at most this (released: 8)", above=1.0
+    )
+    prime_kl_from: str = knob(
+        "policy",
+        "TBA′'s advantage: KL = log pi - log p_ref of the policy being trained (released "
+        "default; a prompt's responses in one pass) | behaviour: of the weights that sampled "
+        "them, so that a --micro_batch_size below K splits a prompt's responses over passes",
+    )
+    ref_reset_every: int = knob(
+        0,
+        "R: every R steps p_ref becomes the policy, on the trainer and every searcher "
+        "(released: 50); 0: the frozen p_ref of the paper",
+        at_least=0,
+    )
+    async_level: int = knob(
+        0,
+        "A: each prompt's group of responses trained once, oldest first, while generated at "
+        "most A versions behind (released: 10); 0: the core's replay buffer",
+        at_least=0,
+    )
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # the bounds each knob declares
+            value, low = getattr(self, field.name), field.metadata.get("at_least")
+            need(low is None or value >= low, f"--{field.name} must be >= {low}, got {value}")
+        need(
+            self.prime_ratio_cap > 1.0,
+            f"--prime_ratio_cap must be > 1, got {self.prime_ratio_cap}",
+        )
+        need(
+            self.prime_kl_from in ("policy", "behaviour"),
+            f"--prime_kl_from {self.prime_kl_from!r} is not one of policy, behaviour",
+        )
+
+    def searchers_needed(self) -> bool:
+        """Whether the searchers must be TBA′'s (``PrimeSearcher``)."""
+        return self.tb_prime or self.ref_reset_every > 0
+
+
+def install(parts: Parts, cfg: PrimeConfig) -> Parts:
+    """``parts`` with what ``cfg`` turns on: the TBA′ loss (over the TB trainer only), the
+    resetting reference (over any loss), the async level (over any), and TBA′'s searchers
+    (``PrimeSearcher``: per-token log-probs, the reference reset). Call it after the losses'
+    installs (grpo.py, offpolicy.py) and before checks.install, and ``configure`` after that."""
+    trainer = parts.trainer
+    if cfg.tb_prime:
+        need(
+            not issubclass(trainer, GRPOTrainer),
+            "--tb_prime is TB's loss (TBA′'s form of it): it needs --loss tb",
+        )
+        need(
+            trainer.backward is Trainer.backward,
+            "--tb_prime replaces TB's loss; the off-policy masks (--tb_m2_tau, "
+            "--tb_clip_horizon) are of the core's: choose one",
+        )
+        trainer = type(f"Prime{trainer.__name__}", (PrimeTrainer, trainer), {})
+    if cfg.ref_reset_every > 0:
+        trainer = type(f"Reset{trainer.__name__}", (ResetTrainer, trainer), {})
+    if cfg.async_level > 0:
+        trainer = type(f"Once{trainer.__name__}", (OnceTrainer, trainer), {})
+    if trainer is parts.trainer and not cfg.searchers_needed():
+        return parts
+    trainer.prime = cfg
+    searcher = PrimeSearcher if cfg.searchers_needed() else parts.searcher
+    return dataclasses.replace(parts, trainer=trainer, searcher=searcher)
+
+
+def configure(parts: Parts, cfg: PrimeConfig) -> Parts:
+    """``parts`` whose searchers, built in their own processes, get ``cfg`` (the reset interval,
+    the pass size): ``parts.searcher`` is wrapped once every other extension has wrapped it
+    (checks.install builds its subclass over ``PrimeSearcher``)."""
+    if not cfg.searchers_needed():
+        return parts
+    return dataclasses.replace(
+        parts, searcher=functools.partial(configured_searcher, parts.searcher, prime=cfg)
+    )
+
+
+def configured_searcher(make, setup: SearcherSetup, prime: PrimeConfig):
+    """The run's searcher (``make(setup)``, in the searcher's process) with TBA′'s settings."""
+    searcher = make(setup)
+    if not isinstance(searcher, PrimeSearcher):
+        raise TypeError(
+            f"tba_prime.configure: the run's searcher is a {type(searcher).__name__}, not a "
+            "PrimeSearcher (tba_prime.install must come before the searcher's other wrappers)"
+        )
+    searcher.prime = prime
+    return searcher
+
+
+# ----------------------------------------------------------------------------- 4. the loss
+
+
+def prime_advantages(reward: torch.Tensor, kl: torch.Tensor, beta: float) -> torch.Tensor:
+    """TBA′'s advantages (P, K), fp64, detached, for ``reward`` and ``kl`` (P, K): K responses to
+    each of P prompts, kl_i = log pi(y_i|x) - log p_ref(y_i|x) summed over the response.
+
+        A_i = (r_i - mean_K r) - beta (kl_i - mean_K kl)  =  R_i - mean_K R,  R = r - beta kl
+
+    the released ``tba_loss``'s advantage (its log Z is the group's mean reward, its KL term
+    centred on the group's mean). In TB's terms, A_i = -beta (d_i - mean_K d) with
+    d = log pi - log p_ref - r / beta: the residual tba.tb_loss pushes on, times -beta."""
+    if reward.dim() != 2 or reward.shape != kl.shape:
+        raise ValueError(
+            f"prime_advantages: reward and kl must share a (P, K) shape, got "
+            f"{tuple(reward.shape)}, {tuple(kl.shape)}"
+        )
+    if beta <= 0:
+        raise ValueError(f"prime_advantages: beta must be > 0, got {beta}")
+    soft = reward.detach().double() - beta * kl.detach().double()
+    return soft - soft.mean(dim=1, keepdim=True)
+
+
+def prime_tb_loss(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    importance_sampling: bool = True,
+    ratio_cap: float = 8.0,
+    normalizer: float | None = None,
+) -> torch.Tensor:
+    """TBA′'s loss, TB's gradient per token (bbartoldson/tba-prime ``tba_loss``). Needs only
+    torch; copy it anywhere.
+
+    Shapes: ``logp`` (B, T) = log pi_theta(y_t | x, y_<t) of each scored token (carries the
+    gradient), ``behaviour_logp`` (B, T) the same under pi_b, the weights that sampled the
+    response, ``mask`` (B, T) 1 on scored tokens; ``advantages`` (B,) one per response,
+    ``prime_advantages(...).reshape(-1)`` (prompt-major rows, detached). Returns a scalar, fp32.
+
+        w_t   = min(exp(logp_t - behaviour_t), ratio_cap)    (importance_sampling)
+        loss  = -sum_it m_it w_it A_i / N                     (N = sum m, or ``normalizer``)
+        loss  = -sum_it m_it logp_it A_i / N                  (no importance sampling)
+
+    The gradient is -sum_it m_it w_it A_i grad logp_it / N: each token pushed by its response's
+    advantage, weighted by its ratio to the sampler; a token whose ratio is over the cap gives
+    none (the clamp is flat there), so no token weighs more than ratio_cap. Its value is not
+    TB's: only its gradient is meant.
+
+    Why it is TB (tests/test_prime.py): on-policy (behaviour = logp, w = 1 with gradient
+    grad logp), its gradient is tba.tb_loss's times beta P K / (2 N): TB's is
+    -(2 / beta) (1 / PK) sum_i (R_i - mean R) grad log pi(y_i) (tba.tb_loss, the REINFORCE
+    link), and A_i = R_i - mean R. Off-policy the ratio makes it an estimate of that gradient
+    at the current policy from the sampler's data, which the released code relies on at async
+    level 10. Gradient accumulation: pass the whole batch's token count as ``normalizer`` to
+    every micro-batch and sum their losses. Masked positions may hold anything.
+    """
+    if logp.dim() != 2 or behaviour_logp.shape != logp.shape or mask.shape != logp.shape:
+        raise ValueError(
+            "prime_tb_loss: logp, behaviour_logp and mask must share a (B, T) shape, got "
+            f"{tuple(logp.shape)}, {tuple(behaviour_logp.shape)}, {tuple(mask.shape)}"
+        )
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(
+            f"prime_tb_loss: advantages must be ({logp.shape[0]},), got {tuple(advantages.shape)}"
+        )
+    if ratio_cap <= 1:
+        raise ValueError(f"prime_tb_loss: ratio_cap must be > 1, got {ratio_cap}")
+    if normalizer is not None and normalizer <= 0:
+        raise ValueError(f"prime_tb_loss: normalizer must be > 0, got {normalizer}")
+    m = mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    lp = torch.where(m, logp.float(), zero)
+    adv = advantages.detach().float().unsqueeze(1)
+    if importance_sampling:
+        old = torch.where(m, behaviour_logp.detach().float(), zero)
+        weight = torch.clamp(torch.exp(lp - old), max=ratio_cap)
+    else:
+        weight = lp
+    per_token = torch.where(m, -weight * adv, zero)
+    return per_token.sum() / (normalizer if normalizer is not None else m.sum().clamp(min=1))
+
+
+# ----------------------------------------------------------------------------- the trainers
+
+
+class PrimeTrainer(Trainer):
+    """The trainer with TBA′'s loss in place of TB's (``install`` sets ``prime``)."""
+
+    prime: PrimeConfig = PrimeConfig(tb_prime=True)
+
+    def __init__(self, cfg: TBAConfig, device: torch.device, pad_id: int, eos_id: int):
+        rows = split_rows(cfg)
+        if rows and self.prime.prime_kl_from == "policy":
+            raise ConfigError(
+                f"--micro_batch_size {rows} splits a prompt's {cfg.responses_per_prompt} "
+                "responses, but TBA′'s advantage from the policy's KL needs them in one pass: "
+                "--prime_kl_from behaviour, or --micro_batch_size 0 or at least K"
+            )
+        if rows and cfg.responses_per_prompt % rows:
+            raise ConfigError(
+                f"--micro_batch_size {rows} must divide --responses_per_prompt "
+                f"{cfg.responses_per_prompt}: a pass holds whole parts of one prompt's group"
+            )
+        super().__init__(cfg, device, pad_id, eos_id)
+
+    def backward(self, groups: list[list[Trajectory]], beta: float) -> dict[str, float]:
+        """4. prime_tb_loss over ``micro_batches`` of whole prompt groups, or of parts of
+        ``micro_batch_size`` responses when that is below K (their advantages computed first,
+        from the sampler's KL: ``split_rows``), each pass's token sum over the whole batch's
+        token count: the passes sum to the loss on the whole batch. Reads the per-token log
+        pi_b the searchers record (``Trajectory.token_logprobs``, PrimeSearcher's), and log
+        p_ref summed."""
+        prime = self.prime
+        for t in (t for g in groups for t in g):
+            if t.token_logprobs is None:
+                raise ValueError(
+                    f"--tb_prime: a trajectory of prompt {t.prompt_id!r} has no per-token "
+                    "behaviour log-probs (made by a searcher that is not TBA′'s)"
+                )
+        items = sum(len(g) for g in groups)
+        tokens = sum(len(t.token_logprobs["behaviour"]) for g in groups for t in g)
+        advantage_of = {}  # from the sampler's KL: known before any pass
+        if prime.prime_kl_from == "behaviour":
+            for group in groups:
+                reward = torch.tensor([[t.reward for t in group]], dtype=torch.float64)
+                kl = torch.tensor([[t.behaviour_logprob - t.ref_logprob for t in group]])
+                for t, a in zip(group, prime_advantages(reward, kl, beta)[0].tolist(), strict=True):
+                    advantage_of[id(t)] = a
+        units = groups
+        rows = split_rows(self.cfg)
+        if rows:  # parts of a group, one a pass (the core's passes: max(1, rows // K) groups)
+            units = [g[i : i + rows] for g in groups for i in range(0, len(g), rows)]
+        sums = dict.fromkeys(("loss", "logp", "ratio", "capped", "kl", "adv"), 0.0)
+        rhos = []
+        for chunk in self.micro_batches(units):
+            flat = [t for part in chunk for t in part]
+            logp, mask = self.score(chunk, group_token_logprobs)  # per token
+            for t, n in zip(flat, mask.sum(1).tolist(), strict=True):
+                if len(t.token_logprobs["behaviour"]) != n:
+                    raise ValueError(
+                        f"--tb_prime: prompt {t.prompt_id!r}: {n} scored tokens, but "
+                        f"{len(t.token_logprobs['behaviour'])} behaviour log-probs recorded"
+                    )
+            old = padded([t.token_logprobs["behaviour"] for t in flat], logp.shape[1], self.device)
+            sequence = logp.detach().double().sum(1)
+            ref = torch.tensor([t.ref_logprob for t in flat], dtype=torch.float64)
+            kl = sequence.cpu() - ref
+            if prime.prime_kl_from == "policy":
+                reward = torch.tensor([[t.reward for t in part] for part in chunk])
+                adv = prime_advantages(reward, kl.view(reward.shape), beta).reshape(-1)
+            else:
+                adv = torch.tensor([advantage_of[id(t)] for t in flat], dtype=torch.float64)
+            adv = adv.to(self.device)
+            loss = prime_tb_loss(
+                logp, old, mask, adv, prime.prime_is, prime.prime_ratio_cap, normalizer=tokens
+            )
+            loss.backward()
+            m = mask.bool()
+            ratio = torch.exp(torch.where(m, logp.detach().float() - old, 0.0))
+            sums["loss"] += loss.item()
+            sums["logp"] += sequence.sum().item()
+            sums["ratio"] += torch.where(m, ratio, 0.0).sum().item()
+            sums["capped"] += int((m & (ratio > prime.prime_ratio_cap)).sum())
+            sums["kl"] += kl.sum().item()
+            sums["adv"] += adv.abs().sum().item()
+            behaviour = torch.tensor([t.behaviour_logprob for t in flat], dtype=torch.float64)
+            rhos.append((sequence.cpu() - behaviour).view(len(chunk), -1))
+        metrics = {
+            "loss/tb_prime": sums["loss"],
+            "prime/ratio_mean": sums["ratio"] / max(tokens, 1),  # pi / pi_b per token
+            "prime/capped_frac": sums["capped"] / max(tokens, 1),  # tokens over the cap
+            "prime/kl_mean": sums["kl"] / items,  # log pi - log p_ref of a response
+            "prime/adv_abs_mean": sums["adv"] / items,
+            "policy/logp_mean": sums["logp"] / items,
+            **offpolicy_metrics(torch.cat(rhos) if len(rhos) == 1 else _rows(rhos), 0, items),
+        }
+        del metrics["offpolicy/clip_frac"]  # TB's trust region's, not this loss's
+        return metrics
+
+
+def split_rows(cfg: TBAConfig) -> int:
+    """Responses per pass when ``micro_batch_size`` is below K (a prompt's responses split over
+    passes: TBA′'s loss with the sampler's KL, the references' scoring); 0: whole groups."""
+    size = cfg.micro_batch_size
+    return size if 0 < size < cfg.responses_per_prompt else 0
+
+
+def _rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Row blocks of equal width stacked; blocks of another width (the last part of a group)
+    padded with their own rows' mean, which moves no quantile and no ESS of a full row."""
+    width = max(p.shape[1] for p in parts)
+    out = []
+    for p in parts:
+        if p.shape[1] < width:
+            fill = p.mean(dim=1, keepdim=True).expand(-1, width - p.shape[1])
+            p = torch.cat([p, fill], dim=1)
+        out.append(p)
+    return torch.cat(out)
+
+
+class ResetTrainer(Trainer):
+    """A trainer whose reference is reset to the policy every ``ref_reset_every`` steps, and
+    which gives every item scored by another reference a log p_ref of its own before any loss
+    (``install`` sets ``prime``). Over any loss: TB's, TBA′'s, GRPO's (whose per-token
+    "reference" lists are rescored too)."""
+
+    prime: PrimeConfig = PrimeConfig(ref_reset_every=50)
+
+    def __init__(self, cfg: TBAConfig, device: torch.device, pad_id: int, eos_id: int):
+        super().__init__(cfg, device, pad_id, eos_id)
+        # The reference in the searchers' dtype (they score log p_ref in it), frozen between
+        # resets. Under a data-parallel trainer every rank holds it whole.
+        reference = load_causal_lm(
+            cfg.ref_model or cfg.model, cfg.torch_dtype(), device, cfg.trust_remote_code
+        )
+        self.reference = reference.eval().requires_grad_(False)
+        self.ref_version = 0  # 0: the run's initial p_ref; else the policy version copied
+
+    def update(self, groups: list[list[Trajectory]]) -> dict:
+        metrics = super().update(groups)  # the step count is now the new version
+        if self.step % self.prime.ref_reset_every == 0:
+            self.reset_reference()
+        metrics["reference/version"] = float(self.ref_version)
+        return metrics
+
+    @torch.no_grad()
+    def reset_reference(self) -> None:
+        """p_ref := the policy, as version ``step`` (under FSDP every rank gathers each shard:
+        every rank runs ``update``, so the gathers line up)."""
+        policy = dict(self.model.named_parameters())
+        for name, param in self.reference.named_parameters():
+            whole = policy[name]
+            if hasattr(whole, "full_tensor"):  # an FSDP2 shard (DTensor)
+                whole = whole.full_tensor()
+            param.copy_(whole)
+        self.ref_version = self.step
+
+    def backward(self, groups: list[list[Trajectory]], beta: float) -> dict[str, float]:
+        groups, rescored = self.current_reference(groups)
+        metrics = super().backward(groups, beta)
+        items = sum(len(g) for g in groups)
+        metrics["reference/rescored_frac"] = rescored / items
+        return _per_rank(self, metrics, "reference/rescored_frac")
+
+    @torch.no_grad()
+    def current_reference(self, groups: list[list[Trajectory]]) -> tuple[list, int]:
+        """``groups`` with every item whose log p_ref came from another reference rescored by
+        this trainer's (``ref_logprob``, and ``token_logprobs["reference"]`` where it is
+        recorded), tagged with its version; and how many were. Scored by the searchers' rule
+        (``tba.group_token_logprobs``), a prompt's stale responses in one pass, or in passes of
+        ``split_rows`` responses."""
+        cfg = self.cfg
+        rule = dict(
+            pad_id=self.pad_id,
+            eos_id=self.eos_id,
+            temperature=cfg.logprob_temperature(),
+            include_eos=cfg.eos_in_logprob,
+            device=self.device,
+        )
+        out = []
+        rescored = 0
+        for group in groups:
+            stale = [i for i, t in enumerate(group) if t.ref_version != self.ref_version]
+            if not stale:
+                out.append(group)
+                continue
+            group = list(group)
+            rows = split_rows(cfg) or len(stale)
+            for start in range(0, len(stale), rows):
+                part = stale[start : start + rows]
+                token_logp, mask = group_token_logprobs(
+                    self.reference,
+                    [group[0].prompt_tokens],
+                    [[group[i].response_tokens for i in part]],
+                    **rule,
+                )
+                for i, lp, n in zip(part, token_logp.tolist(), mask.sum(1).tolist(), strict=True):
+                    t = group[i]
+                    lists = t.token_logprobs
+                    if lists is not None and "reference" in lists:
+                        lists = {**lists, "reference": lp[:n]}
+                    group[i] = dataclasses.replace(
+                        t,
+                        ref_logprob=math.fsum(lp[:n]),
+                        ref_version=self.ref_version,
+                        token_logprobs=lists,
+                    )
+            rescored += len(stale)
+            out.append(group)
+        return out, rescored
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["reference"] = self.reference.state_dict()
+        state["ref_version"] = self.ref_version
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint without the reference (a sharded trainer's: data_parallel.py writes its
+        own state) resets it to the resumed policy."""
+        super().load_state_dict(state)
+        if "reference" in state:
+            self.reference.load_state_dict(state["reference"])
+            self.ref_version = state["ref_version"]
+        else:
+            self.reset_reference()
+
+
+def _per_rank(trainer: Trainer, metrics: dict, key: str) -> dict:
+    """A metric that is already the whole batch's on every rank, divided by the ranks, so that
+    a data-parallel trainer's sum over them (data_parallel.py) gives it back."""
+    ranks = getattr(trainer, "ranks", None)
+    if ranks is not None:
+        metrics[key] /= ranks.world_size
+    return metrics
+
+
+class OnceBuffer(ReplayBuffer):
+    """The buffer of the async level: besides the core's store (kept for its statistics and
+    checkpoints), a queue of each generate call's group of a prompt (the N items of one
+    prompt and version, in arrival order), which ``sample`` hands out oldest first, each once.
+    Groups generated before ``min_version`` are dropped when met. The queue is not
+    checkpointed: a resumed run waits for new groups."""
+
+    def __init__(self, group_size: int, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group_size = group_size
+        self.filling: dict = {}  # (prompt id, version) -> its items so far
+        self.ready_groups: deque[list[Trajectory]] = deque()
+        self.dropped = 0  # groups dropped for age
+
+    def add(self, traj: Trajectory) -> None:
+        with self._lock:
+            super().add(traj)
+            key = (traj.prompt_id, traj.version)
+            items = self.filling.setdefault(key, [])
+            items.append(traj)
+            if len(items) == self.group_size:
+                self.ready_groups.append(self.filling.pop(key))
+
+    def count_ready(self, min_version: int) -> int:
+        """Groups that a step starting from ``min_version`` + A may train (older ones dropped)."""
+        with self._lock:
+            while self.ready_groups and self.ready_groups[0][0].version < min_version:
+                self.ready_groups.popleft()
+                self.dropped += 1
+            stale = [key for key in self.filling if key[1] < min_version]
+            for key in stale:  # a group that will never fill in time (a searcher restarted)
+                del self.filling[key]
+            return len(self.ready_groups)
+
+    def sample(self, num_prompts: int, per_prompt: int, min_version: int | None = None):
+        """The ``num_prompts`` oldest groups of version ``min_version`` or newer, each once."""
+        with self._lock:
+            if self.count_ready(min_version if min_version is not None else -math.inf) < (
+                num_prompts
+            ):
+                raise ValueError(
+                    f"OnceBuffer.sample: {num_prompts} groups asked, {len(self.ready_groups)} ready"
+                )
+            batch = [self.ready_groups.popleft() for _ in range(num_prompts)]
+            for group in batch:
+                if len(group) != per_prompt:
+                    raise ValueError(
+                        f"OnceBuffer.sample: a group of {len(group)} responses, {per_prompt} asked"
+                    )
+            drawn = num_prompts * per_prompt
+            self.num_drawn += drawn
+            self.num_drawn_first += drawn
+            return batch, [False] * num_prompts
+
+    def stats(self, current_version: int | None = None) -> dict[str, float]:
+        out = super().stats(current_version)
+        out["buffer/ready_groups"] = float(len(self.ready_groups))
+        out["buffer/dropped"] = float(self.dropped)
+        return out
+
+
+class OnceTrainer(Trainer):
+    """The trainer of the async level A (``install`` sets ``prime``): a step trains P groups
+    each once, oldest first, generated at most A versions behind the weights it starts from."""
+
+    prime: PrimeConfig = PrimeConfig(async_level=10)
+
+    def __init__(self, cfg: TBAConfig, device: torch.device, pad_id: int, eos_id: int):
+        if cfg.responses_per_prompt != cfg.num_generations:
+            raise ConfigError(
+                f"--async_level trains each prompt's group as generated: --responses_per_prompt "
+                f"({cfg.responses_per_prompt}) must be --num_generations ({cfg.num_generations})"
+            )
+        super().__init__(cfg, device, pad_id, eos_id)
+        self.buffer = OnceBuffer(
+            cfg.num_generations, cfg.buffer_capacity, cfg.mop_prob, cfg.inv_temp, cfg.seed
+        )
+
+    def oldest_version(self) -> int:
+        return self.step - self.prime.async_level
+
+    def ready(self) -> bool:
+        """2. P groups generated at most A versions behind are waiting."""
+        return self.buffer.count_ready(self.oldest_version()) >= self.cfg.prompts_per_step
+
+
+# ----------------------------------------------------------------------------- 1. the searcher
+
+
+class PrimeSearcher(GRPOSearcher):
+    """TBA′'s searcher: per-token log pi_b and log p_ref (GRPOSearcher's lists), its reference
+    reset to the policy at the first version it holds at or past each multiple of R, the
+    version copied on every trajectory (``Trajectory.ref_version``), and log p_ref scored in
+    passes of ``split_rows`` responses. ``configure`` hands it ``prime`` in its process."""
+
+    prime: PrimeConfig = PrimeConfig()
+    ref_version = 0  # of the reference held: 0, the run's initial p_ref
+
+    def load_newest_weights(self) -> float:
+        seconds = super().load_newest_weights()
+        if self.reference_due():
+            # The store's newest version (usually the one just loaded; a newer one if the
+            # trainer published since, which the tag then says).
+            self.ref_version, _ = self.store.load_into(self.load_reference)
+        return seconds
+
+    def reference_due(self) -> bool:
+        """Whether the weights held are at or past a reset this searcher's reference predates."""
+        every = self.prime.ref_reset_every
+        newest_reset = (self.version // every) * every if every > 0 else 0
+        return self.version >= 0 and newest_reset > self.ref_version
+
+    @torch.no_grad()
+    def load_reference(self, named) -> None:
+        """Copy named weights (the policy's, transformers names) into the reference model."""
+        params = dict(self.ref.named_parameters())
+        for name, tensor in named:
+            params[name].copy_(tensor)
+
+    def search_once(self):
+        trajectories, seconds = super().search_once()
+        for t in trajectories:
+            t.ref_version = self.ref_version
+        return trajectories, seconds
+
+    def reference_logprobs(self, prompts, outputs):
+        """1c. As the core's, in passes of ``split_rows`` responses of one prompt when set (a 7B
+        reference scoring 16 responses of 4,096 tokens at once would not fit)."""
+        rows = split_rows(self.cfg)
+        if not rows:
+            return super().reference_logprobs(prompts, outputs)
+        sums = []
+        for prompt, responses in zip(prompts, outputs, strict=True):
+            mine = []
+            for start in range(0, len(responses), rows):
+                part = responses[start : start + rows]
+                token_logp, _ = self.reference_token_logprobs([prompt], [part])
+                mine += token_logp.sum(dim=1).tolist()
+            sums.append(mine)
+        return sums

@@ -1,0 +1,266 @@
+"""TBA′ (tba_prime.py): its loss against TB's gradient and a slow loop, the reference that
+resets (never paired with another reference in a loss), the async level's queue."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from buffer import Trajectory
+from searcher import SearcherSetup
+from tba import ConfigError, WeightStore, group_token_logprobs, tb_loss
+from tba_prime import (
+    OnceBuffer,
+    PrimeConfig,
+    configure,
+    install,
+    prime_advantages,
+    prime_tb_loss,
+)
+from test_tba import digit_reward, tiny_examples
+from tiny import cpu_config
+from trainer import Parts
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """One torch thread, as run_tba gives a trainer on a small CPU: on the tiny model a second
+    one only spins, many times slower while the other core is busy (tests/test_buffer.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_tokens(seed: int, p: int = 3, k: int = 4, t: int = 6):
+    """Per-token log-probs (P K, T) in fp64 with ragged lengths, their mask, and per-response
+    rewards and reference log-probs (P, K)."""
+    gen = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(p * k, t, generator=gen, dtype=torch.float64) * 2
+    lengths = torch.randint(1, t + 1, (p * k,), generator=gen)
+    mask = torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)
+    reward = (torch.rand(p, k, generator=gen, dtype=torch.float64) < 0.5).double()
+    ref = -torch.rand(p, k, generator=gen, dtype=torch.float64) * 8
+    return logp, mask, reward, ref
+
+
+@pytest.mark.parametrize("importance_sampling", [True, False])
+def test_prime_loss_on_policy_is_tbs_gradient(importance_sampling):
+    """On-policy (pi_b = pi), TBA′'s per-token loss has tb_loss's gradient times
+    beta P K / (2 N): TB written as REINFORCE on r - beta KL with the group's mean baseline."""
+    beta = 0.05
+    for seed in range(3):
+        logp, mask, reward, ref = random_tokens(seed)
+        x = logp.masked_fill(~mask, 0.0).requires_grad_()
+        sums = x.sum(1).view(reward.shape)
+        (tb_grad,) = torch.autograd.grad(tb_loss(sums, ref, reward, beta), x)
+        kl = sums.detach() - ref
+        adv = prime_advantages(reward, kl, beta).reshape(-1)
+        loss = prime_tb_loss(x, x.detach(), mask, adv, importance_sampling, ratio_cap=8.0)
+        (grad,) = torch.autograd.grad(loss, x)
+        tokens = int(mask.sum())
+        scale = beta * reward.numel() / (2 * tokens)
+        torch.testing.assert_close(grad[mask], tb_grad[mask] * scale, rtol=1e-5, atol=1e-8)
+        assert (grad[~mask] == 0).all()
+
+
+def test_prime_loss_matches_slow_loop_with_the_ratio_cap():
+    """Off-policy, value and gradient against loops over tokens: w = min(exp(logp - old), cap),
+    loss = -sum w A / N, d loss / d logp = -w A / N below the cap and 0 above it; masked slots
+    hold NaN and -inf."""
+    cap = 1.5
+    logp, mask, reward, _ = random_tokens(7)
+    old = logp + torch.randn(logp.shape, generator=torch.Generator().manual_seed(1)) * 0.5
+    adv = torch.randn(len(logp), generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    n = int(mask.sum())
+    want, want_grad = 0.0, torch.zeros_like(logp)
+    for i in range(len(logp)):
+        for j in range(logp.shape[1]):
+            if mask[i, j]:
+                ratio = math.exp(logp[i, j].item() - old[i, j].item())
+                w = min(ratio, cap)
+                want += -w * adv[i].item() / n
+                want_grad[i, j] = -ratio * adv[i].item() / n if ratio < cap else 0.0
+    assert (torch.exp(logp - old)[mask] > cap).any()
+    x = logp.masked_fill(~mask, -math.inf).requires_grad_()
+    loss = prime_tb_loss(x, old.masked_fill(~mask, math.nan), mask.long(), adv, True, cap)
+    (grad,) = torch.autograd.grad(loss, x)
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(want, rel=1e-5)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-7)
+    half = prime_tb_loss(x, old, mask, adv, True, cap, normalizer=2.0 * n)  # another denominator
+    assert half.item() == pytest.approx(want / 2, rel=1e-5)
+    with pytest.raises(ValueError, match="advantages must be"):
+        prime_tb_loss(x, old, mask, adv[:-1])
+    with pytest.raises(ValueError, match="beta must be > 0"):
+        prime_advantages(reward, reward, 0.0)
+
+
+def test_once_buffer_trains_each_group_once_oldest_first_and_drops_the_stale():
+    buffer = OnceBuffer(2, capacity=8, seed=0)
+    for version, pid in ((0, "a"), (1, "b"), (3, "c"), (4, "d")):
+        for j in range(2):
+            buffer.add(Trajectory(pid, [1], [5, j], 1.0, -1.0, version))
+    buffer.add(Trajectory("e", [1], [5], 1.0, -1.0, 4))  # one of two: not ready
+    assert buffer.count_ready(min_version=1) == 3 and buffer.dropped == 1  # "a" too old
+    groups, is_mop = buffer.sample(2, 2, min_version=1)
+    assert [g[0].prompt_id for g in groups] == ["b", "c"] and is_mop == [False, False]
+    assert buffer.num_drawn == buffer.num_drawn_first == 4
+    with pytest.raises(ValueError, match="1 ready"):
+        buffer.sample(2, 2, min_version=1)
+    assert buffer.stats(5)["buffer/dropped"] == 1.0
+
+
+def prime_trainer(model_dir: str, prime: PrimeConfig, **overrides):
+    values = dict(num_generations=4, responses_per_prompt=4, prompts_per_step=2, lr=0.05)
+    values.update(tempered_logprobs=False, eos_in_logprob=True, searcher_batch_prompts=1)
+    values.update(overrides)
+    cfg = cpu_config(model_dir, max_new_tokens=6, **values)
+    trainer_class = install(Parts(), prime).trainer
+    return trainer_class(cfg, torch.device("cpu"), pad_id=0, eos_id=1)
+
+
+def scored(model, groups, temperature=1.0):
+    """Per-token log-probs of ``groups``' responses by ``model``, by the trainers' rule (the CPU
+    config's: untempered, EOS scored), as lists per response."""
+    logp, mask = group_token_logprobs(
+        model,
+        [g[0].prompt_tokens for g in groups],
+        [[t.response_tokens for t in g] for g in groups],
+        pad_id=0,
+        eos_id=1,
+        temperature=temperature,
+        include_eos=True,
+    )
+    return [row[:n] for row, n in zip(logp.tolist(), mask.sum(1).tolist(), strict=True)]
+
+
+def batch(trainer, responses_by_prompt, reference, ref_version=0):
+    """Groups of trajectories whose per-token lists are the trainer's policy's (pi_b) and
+    ``reference``'s, tagged with ``ref_version``."""
+    groups = [
+        [
+            Trajectory(p, [5, 6, 7 + p], list(r), float(i % 2), 0.0, trainer.step)
+            for i, r in enumerate(responses)
+        ]
+        for p, responses in enumerate(responses_by_prompt)
+    ]
+    behaviour = scored(trainer.model, groups)
+    refs = scored(reference, groups)
+    for t, b, r in zip((t for g in groups for t in g), behaviour, refs, strict=True):
+        t.token_logprobs = {"behaviour": b, "reference": r}
+        t.behaviour_logprob, t.ref_logprob, t.ref_version = math.fsum(b), math.fsum(r), ref_version
+    return groups
+
+
+RESPONSES = [[[8, 9, 1], [10, 1], [11, 12, 13], [8, 1]], [[14, 1], [15, 16], [9, 9, 1], [17]]]
+
+
+def test_a_reset_reference_never_meets_an_older_one_in_a_loss(tiny_model_dir):
+    """Every R = 2 steps the trainer's p_ref becomes its policy (version 2); a searcher that
+    loads version 2 resets its own to the same weights and tags its trajectories 2. Before the
+    loss, every item scored by the older reference (tag 0) gets its log p_ref from the new one,
+    per token too; the searcher's items are left as they came; and the loss is TB's on the new
+    reference's log-probs alone."""
+    prime = PrimeConfig(ref_reset_every=2)
+    trainer = prime_trainer(tiny_model_dir, prime)
+    initial = [p.detach().clone() for p in trainer.reference.parameters()]
+    for _ in range(2):
+        trainer.update(batch(trainer, RESPONSES, trainer.reference))
+    assert trainer.ref_version == 2
+    for ref_p, p, before in zip(
+        trainer.reference.parameters(), trainer.model.parameters(), initial, strict=True
+    ):
+        assert torch.equal(ref_p, p) and not torch.equal(ref_p, before)
+
+    cfg = trainer.cfg
+    store = WeightStore(list(trainer.model.named_parameters()), torch.float32, torch.device("cpu"))
+    store.publish(list(trainer.model.named_parameters()), trainer.step)
+    setup = SearcherSetup(0, cfg, tiny_examples(4), digit_reward, store, None, None)
+    searcher = configure(install(Parts(), prime), prime).searcher(setup)
+    searcher.load_newest_weights()
+    assert (searcher.version, searcher.ref_version) == (2, 2)
+    for ref_p, p in zip(searcher.ref.parameters(), trainer.reference.parameters(), strict=True):
+        assert torch.equal(ref_p, p)
+    fresh, _ = searcher.search_once()
+    assert {t.ref_version for t in fresh} == {2} and fresh[0].token_logprobs["reference"]
+
+    old = batch(trainer, RESPONSES, torch.nn.Module.eval(load_initial(trainer)), ref_version=0)
+    mixed = [old[0], fresh[:2] + old[1][:2]]  # a group of old items, a group of both
+    now, rescored = trainer.current_reference(mixed)
+    assert rescored == 6 and all(t.ref_version == 2 for g in now for t in g)
+    assert now[1][:2] == fresh[:2]  # the searcher's own, scored by this reference already
+    new_ref = scored(trainer.reference, now)
+    for t, want in zip((t for g in now for t in g), new_ref, strict=True):
+        assert t.ref_logprob == pytest.approx(math.fsum(want), abs=1e-5)
+        assert t.token_logprobs["reference"] == pytest.approx(want, abs=1e-6)
+    for t in (t for g in old for t in g):  # the old reference's values really differ
+        assert t.ref_version == 0
+    assert old[0][0].ref_logprob != pytest.approx(now[0][0].ref_logprob, abs=1e-3)
+
+    trainer.model.zero_grad(set_to_none=True)
+    metrics = trainer.backward(mixed, 0.5)
+    logp = torch.tensor([[math.fsum(lp) for lp in scored(trainer.model, [g])] for g in now])
+    ref = torch.tensor([[t.ref_logprob for t in g] for g in now])
+    reward = torch.tensor([[t.reward for t in g] for g in now])
+    assert metrics["loss/tb"] == pytest.approx(tb_loss(logp, ref, reward, 0.5).item(), rel=1e-4)
+    assert metrics["reference/rescored_frac"] == 6 / 8
+
+
+def load_initial(trainer):
+    """The run's initial reference (the model the trainer started from)."""
+    from tba import load_causal_lm
+
+    cfg = trainer.cfg
+    return load_causal_lm(cfg.model, torch.float32, torch.device("cpu"), False)
+
+
+def test_prime_passes_split_a_group_only_with_the_samplers_kl(tiny_model_dir):
+    """With --prime_kl_from behaviour, a --micro_batch_size below K splits each prompt's
+    responses over passes and leaves the loss and the gradient unchanged; with the policy's KL
+    (the released default) such a split is refused."""
+    prime = PrimeConfig(tb_prime=True, prime_kl_from="behaviour")
+    trainer = prime_trainer(tiny_model_dir, prime)
+    groups = batch(trainer, RESPONSES, trainer.model)
+    for t in (t for g in groups for t in g):  # off the policy: ratios differ from 1
+        t.token_logprobs["behaviour"] = [x - 0.3 for x in t.token_logprobs["behaviour"]]
+        t.behaviour_logprob -= 0.3 * len(t.token_logprobs["behaviour"])
+        t.ref_logprob -= 1.0
+    results = []
+    for size in (0, 2, 1):
+        trainer.cfg = dataclasses.replace(trainer.cfg, micro_batch_size=size)
+        trainer.model.zero_grad(set_to_none=True)
+        metrics = trainer.backward(groups, 0.1)
+        results.append((metrics, [p.grad.clone() for p in trainer.model.parameters()]))
+    (whole, grads), *parts = results
+    assert whole["prime/ratio_mean"] > 0 and whole["prime/adv_abs_mean"] > 0
+    for metrics, part_grads in parts:
+        assert metrics["loss/tb_prime"] == pytest.approx(whole["loss/tb_prime"], rel=1e-5)
+        assert metrics["prime/kl_mean"] == pytest.approx(whole["prime/kl_mean"], rel=1e-6)
+        for got, want in zip(part_grads, grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    with pytest.raises(ConfigError, match="needs them in one pass"):
+        prime_trainer(tiny_model_dir, PrimeConfig(tb_prime=True), micro_batch_size=2)
+
+
+def test_prime_config_and_install_refuse_what_cannot_work(tiny_model_dir):
+    import grpo
+    import offpolicy
+
+    with pytest.raises(ConfigError, match="prime_kl_from 'x'"):
+        PrimeConfig(prime_kl_from="x")
+    with pytest.raises(ConfigError, match="async_level must be >= 0"):
+        PrimeConfig(async_level=-1)
+    grpo_parts = grpo.install(Parts(), grpo.GRPOConfig(loss="grpo"))
+    with pytest.raises(ConfigError, match="needs --loss tb"):
+        install(grpo_parts, PrimeConfig(tb_prime=True))
+    masked = offpolicy.install(Parts(), offpolicy.OffPolicyConfig(tb_m2_tau=0.1))
+    with pytest.raises(ConfigError, match="choose one"):
+        install(masked, PrimeConfig(tb_prime=True))
+    assert install(Parts(), PrimeConfig()) == Parts()  # nothing asked: TB's parts
+    reset_grpo = install(grpo_parts, PrimeConfig(ref_reset_every=5)).trainer
+    assert issubclass(reset_grpo, grpo.GRPOTrainer)  # the reset works over any loss
+    with pytest.raises(ConfigError, match="must be --num_generations"):
+        prime_trainer(tiny_model_dir, PrimeConfig(async_level=2), responses_per_prompt=2)
