@@ -321,10 +321,13 @@ def print_summary(summary: dict) -> None:
         f"lag mean {summary['lag_mean']:.2f}, max {summary['lag_max']:.0f} versions"
     )
     if "rho_abs_mean" in summary:
+        # the trust region's share where a TB loss reports it (GRPO's and TBA′'s do not)
+        clipped = ""
+        if "clip_frac" in summary:
+            clipped = f"; trust region clipped {summary['clip_frac']:.1%} of items"
         print(
             f"policy against the samplers' log-probs: |rho| mean {summary['rho_abs_mean']:.3f} "
-            f"nats, 10-90% [{summary['rho_q10']:.3f}, {summary['rho_q90']:.3f}]; trust region "
-            f"clipped {summary['clip_frac']:.1%} of items"
+            f"nats, 10-90% [{summary['rho_q10']:.3f}, {summary['rho_q90']:.3f}]{clipped}"
         )
     for line in ran_lines(summary.get("ran", {})):
         print(line)
