@@ -34,6 +34,12 @@ staleness          The tiny task trained on data d versions stale in one process
                    steps to 0.85, collapses, clip and mask shares, rho's quantiles
                    (docs/staleness.md).
 hard_staleness     The same on the harder tiny task (steps to 0.40).
+countdown_staleness  The same on Countdown's tiny task (run_countdown.py). With --losses
+                   tb_prime,grpo,dr_grpo --lags 2,10 it is TBA′'s experiment in this harness:
+                   TBA′'s loss with the reference reset every 50 steps against GRPO and Dr. GRPO,
+                   each batch trained once, generated A versions behind (docs/tba_prime.md);
+                   every staleness section also reports the spread of the second half's
+                   evaluations (the oscillation).
 engines            vLLM against the transformers engine on this CPU, on a Llama of tens of
                    millions of parameters with 128-token responses: tokens/s and weight-load time.
 publish            a trainer publish plus a searcher's load (another process, shared memory or
@@ -68,6 +74,7 @@ import contextlib
 import dataclasses
 import datetime
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -88,7 +95,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import data_parallel
 import grpo
 import offpolicy
+import run_countdown
 import run_tldr
+import tba_prime
 from buffer import Trajectory
 from cli import run_cli
 from engines import HFEngine, VLLMEngine, WeightStore, pad_token_id
@@ -117,6 +126,7 @@ SECTIONS = (
     "time_to_accuracy",
     *HARD,
     "staleness",
+    "countdown_staleness",
     "engines",
     "publish",
     "intake",
@@ -506,7 +516,7 @@ def plot(runs: list[dict], path: Path) -> str | None:
 STALE_EVAL_EVERY = 25  # steps between greedy evaluations in the staleness experiment
 STALE_REPORT_STEPS = (100, 200, 300, 400)
 STALE_THRESHOLD = 0.85
-STALE_LEVELS = {"hard": 0.40}  # the level "steps to" counts, by task (STALE_THRESHOLD else)
+STALE_LEVELS = {"hard": 0.40, "countdown": 0.45}  # "steps to" counts this (else STALE_THRESHOLD)
 COLLAPSE_DROP = 0.2  # a collapse: accuracy falls this far below its best so far
 TB_CLIP_EPS = 0.3  # what the loss name tb_clip runs: the radius that holds lags to 16
 TB_CLIP_HORIZON = 16.0  # tb_clip_lag's horizon: the lag to which eps 0.3 holds the tiny task
@@ -517,10 +527,17 @@ STEP_KEYS = (
     "policy/logp_mean",
     "reward/mean",
     "grpo/clip_frac",
+    "prime/ratio_mean",
+    "prime/capped_frac",
+    "reference/rescored_frac",
 )  # kept per step, with offpolicy/*
 # The staleness losses: a name's flags (over STALE_FLAGS), and the flag a suffix _VALUE sets.
 STALE_FLAGS = {
     "loss": "tb",
+    "grpo_dr": False,
+    "tb_prime": False,
+    "prime_is": True,
+    "ref_reset_every": 0,
     "tb_clip_eps": 0.0,
     "tb_m2_tau": 0.0,
     "tb_clip_horizon": 0.0,
@@ -539,7 +556,13 @@ STALE_LOSSES = {
     "tb_m2": ({"tb_m2_tau": TB_M2_TAU}, "tb_m2_tau"),  # the second-moment mask
     "tb_m2_pushed": ({"tb_m2_tau": TB_M2_TAU, "m2_pushed_only": True}, "tb_m2_tau"),
     "tb_clip_m2": ({"tb_clip_eps": TB_CLIP_EPS, "tb_m2_tau": TB_M2_TAU}, "tb_m2_tau"),
+    # TBA′'s loss with importance sampling and the reference reset every 50 steps (the released
+    # MATH config; tba_prime.py); without the reset, or without importance sampling
+    "tb_prime": ({"tb_prime": True, "ref_reset_every": 50}, "ref_reset_every"),
+    "tb_prime_noreset": ({"tb_prime": True}, None),
+    "tb_prime_nois": ({"tb_prime": True, "prime_is": False, "ref_reset_every": 50}, None),
     "grpo": ({"loss": "grpo"}, None),  # the baseline
+    "dr_grpo": ({"loss": "grpo", "grpo_dr": True}, None),  # Dr. GRPO (grpo.py, --grpo_dr)
     "grpo_m2po": ({"loss": "grpo", "grpo_m2po_tau": M2PO_TAU}, "grpo_m2po_tau"),
     "grpo_m2po_pushed": (
         {"loss": "grpo", "grpo_m2po_tau": M2PO_TAU, "m2_pushed_only": True},
@@ -551,12 +574,15 @@ STALE_LOSSES = {
 
 def stale_loss(name: str) -> dict:
     """A staleness loss name as its flags (every key of STALE_FLAGS): tb is plain TB (the
-    paper's), tb_clip TB with the trust region at 0.3 nats, tb_clip_lag with it widened with
+    paper's), tb_prime TBA′'s loss with the reference reset every 50 steps (tb_prime_noreset
+    without it, tb_prime_nois without importance sampling), dr_grpo Dr. GRPO, tb_clip TB with
+    the trust region at 0.3 nats, tb_clip_lag with it widened with
     the data's age beyond a horizon of 16 versions (offpolicy.py), tb_m2 with the second-moment
     mask (offpolicy.py), tb_m2_pushed with the mask on the pushed items only, tb_clip_m2 with
     both, grpo the baseline, grpo_m2po M2PO, grpo_m2po_pushed M2PO's final version,
     grpo_decoupled AReaL's decoupled PPO; NAME_VALUE sets NAME's number (tb_clip_0.1: eps 0.1,
-    tb_clip_lag_32: the horizon 32, tb_m2_0.04: tau 0.04, grpo_decoupled_2: the weight cap 2)."""
+    tb_clip_lag_32: the horizon 32, tb_m2_0.04: tau 0.04, grpo_decoupled_2: the weight cap 2,
+    tb_prime_25: the reset every 25 steps)."""
     if name in STALE_LOSSES:
         flags, _ = STALE_LOSSES[name]
         return {**STALE_FLAGS, **flags}
@@ -601,11 +627,15 @@ def staleness_run(
     step): the asynchronous system's steady state at lag 1, one batch a step, without its
     timing. Returns the score every STALE_EVAL_EVERY
     steps: on ``task`` gsm8k greedy accuracy on the held-out sums (hard: those of the harder
-    tiny task, its preset, ``model_dir`` its warm start); on tldr (run_tldr's tiny
+    tiny task, its preset, ``model_dir`` its warm start; countdown: Countdown's held-out
+    problems, run_countdown.py's preset and warm start); on tldr (run_tldr's tiny
     preset, its proxy reward cached beside ``model_dir``) the gold win rate of greedy summaries
     against the references, with their perplexity under the SFT model at the end; and per step
     the off-policy metrics of the update (``tba.offpolicy_metrics``) and its gradient norm
-    (``steps``), with their means (``offpolicy``)."""
+    (``steps``), with their means (``offpolicy``). A loss with the reference reset (tb_prime)
+    resets it on the trainer every R steps and on the searcher once the weights it generates
+    with are at or past the reset, as the system does (tba_prime.py); the lag stays below R, so
+    the searcher's reference is then the trainer's."""
     torch.set_num_threads(1)
     flags = stale_loss(loss)
     tb_flags = {"tb_clip_eps": flags["tb_clip_eps"]}
@@ -613,6 +643,10 @@ def staleness_run(
         train, test, _ = run_tldr.tiny_task()
         preset = run_tldr.TINY_PRESET
         reward_fn = run_tldr.tiny_reward_model(Path(model_dir).parent)[0]
+    elif task == "countdown":
+        train, test, _ = run_countdown.countdown_task()
+        preset = run_countdown.TINY_PRESET
+        reward_fn = run_countdown.countdown_reward
     else:
         hard = task == "hard"
         train, test, _ = tiny_task(HARD_DATA if hard else None)
@@ -622,9 +656,18 @@ def staleness_run(
         cfg, eval_cfg = tiny_configs(
             model_dir, preset, seed=seed, output_dir=out, **{**tb_flags, **overrides}
         )
-        parts = grpo.install(Parts(), grpo.GRPOConfig(loss=flags["loss"]))
-        corrections = {k: v for k, v in flags.items() if k not in ("loss", "tb_clip_eps")}
+        parts = grpo.install(Parts(), grpo.GRPOConfig(loss=flags["loss"], grpo_dr=flags["grpo_dr"]))
+        offpolicy_fields = {f.name for f in dataclasses.fields(offpolicy.OffPolicyConfig)}
+        corrections = {k: v for k, v in flags.items() if k in offpolicy_fields}
         parts = offpolicy.install(parts, offpolicy.OffPolicyConfig(**corrections))
+        prime = tba_prime.PrimeConfig(
+            tb_prime=flags["tb_prime"],
+            prime_is=flags["prime_is"],
+            ref_reset_every=int(flags["ref_reset_every"]),
+        )
+        if prime.ref_reset_every and lag >= prime.ref_reset_every:
+            raise ConfigError(f"staleness: a reset every {prime.ref_reset_every} needs lags below")
+        parts = tba_prime.configure(tba_prime.install(parts, prime), prime)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         torch.manual_seed(seed)
         trainer = parts.trainer(
@@ -650,7 +693,8 @@ def staleness_run(
                 return evaluator.evaluate(model, test)["win_rate"]
 
         else:
-            evaluator = Evaluator(cfg, eval_cfg, tokenizer)
+            chosen = run_countdown.CountdownEvaluator if task == "countdown" else Evaluator
+            evaluator = chosen(cfg, eval_cfg, tokenizer)
 
             def score(model):
                 return evaluator.accuracy(model, test)
@@ -665,6 +709,11 @@ def staleness_run(
         for _ in range(steps):
             searcher.engine.load_weights(versions[0])
             searcher.version = trainer.step - (len(versions) - 1)
+            if prime.ref_reset_every and searcher.reference_due():
+                # the weights of the searcher's newest reset are the trainer's reference: the
+                # lag is below the reset interval
+                searcher.load_reference(trainer.reference.named_parameters())
+                searcher.ref_version = trainer.ref_version
             generated_by.append(searcher.version)
             trajectories, _ = searcher.search_once()
             n = cfg.num_generations
@@ -719,18 +768,35 @@ STALE_MEANS = {  # summary key: the run's mean over steps (the first key a run h
 }
 
 
+STALE_TASK_NAMES = {"countdown": "Countdown problems", "hard": "three-digit sums"}
+
+
 def stale_level(task: str | None) -> float:
     """The accuracy "steps to" counts on ``task``: STALE_LEVELS's, else STALE_THRESHOLD."""
     return STALE_LEVELS.get(task, STALE_THRESHOLD)
+
+
+def oscillation(values: list[float]) -> dict[str, float]:
+    """How much a run's evaluations in a window move: ``second_half_sd``, their standard
+    deviation (population), and ``second_half_swing``, the mean absolute change from one
+    evaluation to the next (a trend moves it little, a zig-zag much)."""
+    if len(values) < 2:
+        return {"second_half_sd": 0.0, "second_half_swing": 0.0}
+    changes = [abs(b - a) for a, b in itertools.pairwise(values)]
+    return {
+        "second_half_sd": statistics.pstdev(values),
+        "second_half_swing": statistics.fmean(changes),
+    }
 
 
 def summarize_staleness(runs: list[dict]) -> dict:
     """Per loss and lag: accuracy at fixed steps, its mean over the second half of the run
     (the evaluations at steps >= steps / 2: 200-400 of 400), the first evaluated step at or
     above STALE_THRESHOLD (STALE_LEVELS for the runs' task), collapses (a fall of more than
-    COLLAPSE_DROP below the best so far), and the means over steps of STALE_MEANS (the share
-    of items, or GRPO's tokens, clipped or masked; rho = log pi - log pi_b of whole
-    responses), per seed and as medians over seeds."""
+    COLLAPSE_DROP below the best so far), how much the second half's evaluations oscillate
+    (``oscillation``), and the means over steps of STALE_MEANS (the share of items, or GRPO's
+    tokens, clipped or masked; rho = log pi - log pi_b of whole responses), per seed and as
+    medians over seeds; the second half's mean also as a mean over seeds with its spread."""
     out: dict = {}
     for run in runs:
         accuracy = dict(run["curve"])
@@ -750,6 +816,7 @@ def summarize_staleness(runs: list[dict]) -> dict:
                 "at": {str(s): accuracy.get(s) for s in STALE_REPORT_STEPS},
                 "final": run["curve"][-1][1],
                 "mean_second_half": statistics.fmean(second_half),
+                **oscillation(second_half),
                 "steps_to": reached[0] if reached else None,
                 "worst_drop": worst_drop,
                 "collapsed": worst_drop > COLLAPSE_DROP,
@@ -767,7 +834,12 @@ def summarize_staleness(runs: list[dict]) -> dict:
                 values = [s["at"][step] for s in seeds if s["at"][step] is not None]
                 row["median_at"][step] = statistics.median(values) if values else None
             row["median_final"] = statistics.median(s["final"] for s in seeds)
-            row["median_mean_second_half"] = statistics.median(s["mean_second_half"] for s in seeds)
+            halves = [s["mean_second_half"] for s in seeds]
+            row["median_mean_second_half"] = statistics.median(halves)
+            row["mean_mean_second_half"] = statistics.fmean(halves)
+            row["sd_mean_second_half"] = statistics.stdev(halves) if len(halves) > 1 else 0.0
+            for key in ("second_half_sd", "second_half_swing"):
+                row[f"median_{key}"] = statistics.median(s[key] for s in seeds)
             steps_to = [s["steps_to"] for s in seeds]
             row["steps_to_reached"] = sum(s is not None for s in steps_to)
             row["median_steps_to"] = statistics.median(
@@ -808,7 +880,9 @@ def plot_staleness(runs: list[dict], path: Path) -> str | None:
             ax.plot(steps, median, color=color, lw=2, label=f"d = {lag}")
         ax.set_title(f"{loss.upper()}: data generated d versions behind")
         ax.set_xlabel("trainer step")
-        ax.set_ylabel("greedy accuracy on the held-out sums")
+        ax.set_ylabel(
+            f"greedy accuracy, held-out {STALE_TASK_NAMES.get(runs[0].get('task'), 'sums')}"
+        )
         ax.set_ylim(0, 1)
         ax.axhline(stale_level(runs[0].get("task")), color="grey", ls="--", lw=0.8)
         ax.legend(loc="lower right", fontsize=8)
@@ -1656,7 +1730,8 @@ def print_time_to_accuracy(res: dict, section: str, plot_path: str | None) -> No
 def print_staleness(stale: dict) -> None:
     print(
         f"\nstaleness (greedy accuracy, median over seeds; 2nd half: the mean of the evaluations "
-        f"of the run's second half; steps to {STALE_THRESHOLD} (hard: {STALE_LEVELS['hard']}); "
+        f"of the run's second half, sd their spread, swing their mean change from one to the "
+        f"next; steps to {STALE_THRESHOLD} (hard: {STALE_LEVELS['hard']}); "
         f"collapses = runs falling > "
         f"{COLLAPSE_DROP} below their best; clipped / masked: share of items (GRPO: tokens) a "
         "step clipped or masked; rho = log pi - log pi_b of whole responses, 10/50/90%; means "
@@ -1664,8 +1739,8 @@ def print_staleness(stale: dict) -> None:
     )
     header = "".join(f"{'@' + str(s):>7}" for s in STALE_REPORT_STEPS)
     print(
-        f"{'loss':<18}{'d':>4}{header}{'2nd half':>9}{'steps to':>10}{'collapses':>11}"
-        f"{'clipped':>9}{'masked':>8}{'rho 10/50/90':>21}"
+        f"{'loss':<18}{'d':>4}{header}{'2nd half':>9}{'sd':>7}{'swing':>7}{'steps to':>10}"
+        f"{'collapses':>11}{'clipped':>9}{'masked':>8}{'rho 10/50/90':>21}"
     )
 
     def cell(value, width: int, spec: str) -> str:
@@ -1681,6 +1756,7 @@ def print_staleness(stale: dict) -> None:
             rho = "/".join(f"{r:.2f}" if r is not None else "-" for r in rho)
             print(
                 f"{loss:<18}{lag:>4}{cells}{cell(row['median_mean_second_half'], 9, '.3f')}"
+                f"{row['median_second_half_sd']:>7.3f}{row['median_second_half_swing']:>7.3f}"
                 f"{steps_to:>10}{collapses}{cell(row.get('median_clip_frac'), 9, '.3f')}"
                 f"{cell(row.get('median_mask_frac'), 8, '.3f')}{rho:>21}"
             )
@@ -1731,9 +1807,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--losses",
         default="tb,tb_clip",
-        help="staleness: comma list of tb (plain), tb_clip (TB's trust region at 0.3), "
+        help="staleness: comma list of tb (plain), tb_prime (TBA′'s loss and reference reset; "
+        "tb_prime_noreset, tb_prime_nois), tb_clip (TB's trust region at 0.3), "
         "tb_m2 (the second-moment mask), tb_m2_pushed (on the pushed items), tb_clip_m2 (both), "
-        "grpo, grpo_m2po (M2PO), grpo_m2po_pushed, grpo_decoupled (AReaL's decoupled PPO); "
+        "grpo, dr_grpo, grpo_m2po (M2PO), grpo_m2po_pushed, grpo_decoupled (AReaL's "
+        "decoupled PPO); "
         "NAME_VALUE sets its number (tb_clip_0.1, tb_m2_0.04, grpo_decoupled_2: the cap)",
     )
     parser.add_argument("--stale_seeds", type=int, default=3, help="staleness: seeds per setting")
@@ -1863,9 +1941,17 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 res["parallel_speedup_end"] = parallel_speedup(3.0)
             print_time_to_accuracy(res, section, res[f"plot{suffix}"])
+        if "countdown_staleness" in sections:
+            if args.quick:
+                model_dirs["countdown"] = save_tiny_model(Path(root) / "random_countdown")
+            else:
+                train, _, val = run_countdown.countdown_task()
+                where = Path(args.warm_start) / "countdown"
+                model_dirs["countdown"] = run_countdown.tiny_warm_start(where, train, val, 0)
         for section, task, stale_model in (
             ("staleness", "gsm8k", model_dir),
             ("hard_staleness", "hard", model_dirs.get("hard")),
+            ("countdown_staleness", "countdown", model_dirs.get("countdown")),
         ):
             if section not in sections:
                 continue

@@ -38,6 +38,12 @@ def test_stale_loss_names():
     assert bench.stale_loss("grpo_decoupled_2") == flags(
         loss="grpo", grpo_decoupled=True, grpo_is_cap=2.0
     )
+    assert bench.stale_loss("dr_grpo") == flags(loss="grpo", grpo_dr=True)
+    assert bench.stale_loss("tb_prime") == flags(tb_prime=True, ref_reset_every=50)
+    assert bench.stale_loss("tb_prime_25") == flags(tb_prime=True, ref_reset_every=25.0)
+    assert bench.stale_loss("tb_prime_nois") == flags(
+        tb_prime=True, prime_is=False, ref_reset_every=50
+    )
     for bad in ("nope", "tb_clip_", "tb_clip_x", "TB", "tb_clip_-1", "tb_clip_nan", "tb_0.3"):
         with pytest.raises(ConfigError, match="--losses"):
             bench.stale_loss(bad)
@@ -85,6 +91,23 @@ def test_summarize_staleness_reports_the_second_half_and_the_corrections():
     assert row["median_clip_frac"] == 0.0
     assert (row["median_rho_q10"], row["median_rho_q50"], row["median_rho_q90"]) == (-0.2, 0, 0.1)
     assert row["median_steps_to"] == 300 and row["steps_to_reached"] == 3
+    # the oscillation of seed 0's second half, 0.7, 0.9, 0.8: its spread and its mean change
+    assert row["seeds"][0]["second_half_sd"] == pytest.approx(0.0816, abs=1e-4)
+    assert row["seeds"][0]["second_half_swing"] == pytest.approx(0.15)
+    assert row["mean_mean_second_half"] == pytest.approx(0.8333, abs=1e-4)
+
+
+def test_countdown_staleness_resets_the_reference_as_the_system_does(tmp_path):
+    """countdown_staleness: Countdown's problems and preset; tb_prime_3 at lag 2 resets the
+    trainer's reference at step 3 and the searcher's once it generates with version 3, so the
+    two batches generated before the reset and trained after it are rescored, no other."""
+    model = bench.save_tiny_model(tmp_path / "model")
+    small = dict(prompts_per_step=4, searcher_batch_prompts=4, max_new_tokens=12)
+    run = bench.staleness_run(model, "tb_prime_3", 2, 0, 6, small, task="countdown")
+    assert run["task"] == "countdown" and run["generated_by"] == [0, 0, 0, 1, 2, 3]
+    rescored = [row["reference/rescored_frac"] for row in run["steps"]]
+    assert rescored == [0, 0, 0, 1, 1, 0]
+    assert all(row["prime/ratio_mean"] > 0 for row in run["steps"])
 
 
 def test_hard_staleness_trains_on_the_harder_task_and_counts_its_level(tmp_path, monkeypatch):
