@@ -276,7 +276,11 @@ class Evaluator:
 
     ``probe`` (checks.ParityProbe, with --parity_check): after each load into the vLLM engine,
     its log-prob of the probe must match the trainer model's, as a searcher's must. With a vLLM
-    engine, ``close`` ends its process (at exit it ends anyway)."""
+    engine, ``close`` ends its process (at exit it ends anyway). An answer is right when
+    ``answer_reward`` pays it 1: a task's evaluator names its own (run_countdown.py,
+    run_math.py)."""
+
+    answer_reward = staticmethod(gsm8k_reward)
 
     def __init__(self, cfg: TBAConfig, eval_cfg: EvalConfig, tokenizer, probe=None):
         self.cfg, self.eval_cfg, self.tokenizer, self.probe = cfg, eval_cfg, tokenizer, probe
@@ -335,10 +339,15 @@ class Evaluator:
             model.train(was_training)
         return texts
 
+    def right(self, answer: str, example: dict) -> float:
+        """1.0 for an answer the task's reward pays in full, else 0.0 (a format reward is not
+        a right answer)."""
+        return float(self.answer_reward(answer, example) == 1.0)
+
     def accuracy(self, model: torch.nn.Module, examples: list[dict], desc: str = "eval") -> float:
         """Greedy pass@1: the share of examples whose greedy answer scores 1."""
         answers = self.answers(model, examples, 1, True, desc)
-        correct = [gsm8k_reward(a[0], ex) for a, ex in zip(answers, examples, strict=True)]
+        correct = [self.right(a[0], ex) for a, ex in zip(answers, examples, strict=True)]
         return sum(correct) / len(examples)
 
     def diversity(self, model: torch.nn.Module, examples: list[dict], desc: str = "sample") -> dict:
@@ -348,7 +357,7 @@ class Evaluator:
             return {}
         answers = self.answers(model, examples, n, False, desc)
         correct = [
-            [gsm8k_reward(a, ex) for a in ans] for ans, ex in zip(answers, examples, strict=True)
+            [self.right(a, ex) for a in ans] for ans, ex in zip(answers, examples, strict=True)
         ]
         return {
             f"pass@{n}": sum(max(c) for c in correct) / len(correct),

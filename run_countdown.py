@@ -160,11 +160,6 @@ def countdown_reward(completion: str, example: dict) -> float:
     return FORMAT_REWARD
 
 
-def solved(completion: str, example: dict) -> bool:
-    """Whether ``countdown_reward`` pays the full 1.0 (accuracy)."""
-    return countdown_reward(completion, example) == 1.0
-
-
 # ----------------------------------------------------------------------------- tiny preset
 
 # The sums' tiny preset (tiny.TINY_PRESET: one searcher, TB's trust region, k = 1, data at most
@@ -205,23 +200,7 @@ class CountdownEvaluator(Evaluator):
     """Greedy accuracy and pass@n on Countdown problems: an answer counts when
     ``countdown_reward`` pays it 1."""
 
-    def accuracy(self, model, examples: list[dict], desc: str = "eval") -> float:
-        answers = self.answers(model, examples, 1, True, desc)
-        return sum(solved(a[0], ex) for a, ex in zip(answers, examples, strict=True)) / len(
-            examples
-        )
-
-    def diversity(self, model, examples: list[dict], desc: str = "sample") -> dict:
-        n = self.eval_cfg.eval_samples
-        if n < 1:
-            return {}
-        answers = self.answers(model, examples, n, False, desc)
-        right = [[solved(a, ex) for a in ans] for ans, ex in zip(answers, examples, strict=True)]
-        return {
-            f"pass@{n}": sum(max(r) for r in right) / len(right),
-            "sample_accuracy": sum(map(sum, right)) / (n * len(right)),
-            "distinct_answers": sum(len(set(a)) for a in answers) / len(answers),
-        }
+    answer_reward = staticmethod(countdown_reward)
 
 
 def tiny_countdown_evaluator(tokenizer) -> CountdownEvaluator:
