@@ -397,11 +397,17 @@ class ResetTrainer(Trainer):
     def __init__(self, cfg: TBAConfig, device: torch.device, pad_id: int, eos_id: int):
         super().__init__(cfg, device, pad_id, eos_id)
         # The reference in the searchers' dtype (they score log p_ref in it), frozen between
-        # resets. Under a data-parallel trainer every rank holds it whole.
+        # resets. Under a data-parallel trainer every rank holds it whole; sharded (--fsdp), it
+        # is sharded as the policy is, and every rank rescores the same items (the whole
+        # batch's), so that its gathers line up.
         reference = load_causal_lm(
             cfg.ref_model or cfg.model, cfg.torch_dtype(), device, cfg.trust_remote_code
         )
         self.reference = reference.eval().requires_grad_(False)
+        if getattr(self, "sharded", False):  # data_parallel.DataParallelTrainer with --fsdp
+            from data_parallel import shard_model
+
+            shard_model(self.reference, self.ranks)
         self.ref_version = 0  # 0: the run's initial p_ref; else the policy version copied
 
     def update(self, groups: list[list[Trajectory]]) -> dict:
@@ -413,14 +419,14 @@ class ResetTrainer(Trainer):
 
     @torch.no_grad()
     def reset_reference(self) -> None:
-        """p_ref := the policy, as version ``step`` (under FSDP every rank gathers each shard:
-        every rank runs ``update``, so the gathers line up)."""
+        """p_ref := the policy, as version ``step``. Sharded (FSDP2), each rank copies its own
+        shard, which the reference's sharding matches (every rank runs ``update``)."""
         policy = dict(self.model.named_parameters())
         for name, param in self.reference.named_parameters():
-            whole = policy[name]
-            if hasattr(whole, "full_tensor"):  # an FSDP2 shard (DTensor)
-                whole = whole.full_tensor()
-            param.copy_(whole)
+            if hasattr(param, "to_local"):  # a DTensor: shard to shard
+                param.to_local().copy_(policy[name].to_local())
+            else:
+                param.copy_(policy[name])
         self.ref_version = self.step
 
     def backward(self, groups: list[list[Trajectory]], beta: float) -> dict[str, float]:
