@@ -421,6 +421,7 @@ class ResetTrainer(Trainer):
     def reset_reference(self) -> None:
         """p_ref := the policy, as version ``step``. Sharded (FSDP2), each rank copies its own
         shard, which the reference's sharding matches (every rank runs ``update``)."""
+        reshard(self.reference)
         policy = dict(self.model.named_parameters())
         for name, param in self.reference.named_parameters():
             if hasattr(param, "to_local"):  # a DTensor: shard to shard
@@ -481,6 +482,7 @@ class ResetTrainer(Trainer):
                     )
             rescored += len(stale)
             out.append(group)
+        reshard(self.reference)  # free the gathered weights before the loss's passes
         return out, rescored
 
     def state_dict(self) -> dict:
@@ -498,6 +500,15 @@ class ResetTrainer(Trainer):
             self.ref_version = state["ref_version"]
         else:
             self.reset_reference()
+
+
+def reshard(module: torch.nn.Module) -> None:
+    """Put a sharded (FSDP2) module's weights back in their shards: after a forward without
+    gradients no backward does it, and the root's stay gathered; a plain module is left."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        module.reshard()
 
 
 def _per_rank(trainer: Trainer, metrics: dict, key: str) -> dict:
