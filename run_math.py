@@ -516,9 +516,9 @@ def main(argv: list[str] | None = None) -> dict:
         evaluator = MathEvaluator(
             dataclasses.replace(cfg, model=math_cfg.eval_only), eval_cfg, tokenizer
         )
-        model = load_causal_lm(
-            math_cfg.eval_only, cfg.torch_dtype(), evaluator.device, cfg.trust_remote_code
-        )
+        # a vLLM evaluator takes the weights from the CPU (its engine holds the GPU's copy)
+        where = torch.device("cpu") if evaluator.vllm is not None else evaluator.device
+        model = load_causal_lm(math_cfg.eval_only, cfg.torch_dtype(), where, cfg.trust_remote_code)
         accuracy = evaluator.accuracy(model, test, "eval (greedy)")
         evaluator.close()
         print(f"greedy accuracy of {math_cfg.eval_only}: {accuracy:.4f} on {len(test)} problems")
