@@ -625,3 +625,40 @@ def test_node_removed_mid_broadcast_actor_comes_back_elsewhere(cluster, tiny_mod
         finally:
             pool.stop()
             cluster.workers.append(cluster.add_worker())
+
+
+def test_prime_searchers_reset_their_reference_from_the_board(cluster, tiny_model_dir, tmp_path):
+    """TBA′'s searchers as Ray actors (tba_prime.configure binds its settings into the factory
+    that travels to them, over the checked searcher): with the reference reset every 2 steps,
+    batches of version 0 carry the initial reference's version, 0, and once version 2 is on the
+    board the actors copy it into their reference, so its batches carry version 2 and a log
+    p_ref equal to their log pi_b (the same weights, the same rule)."""
+    import checks
+    import tba_prime
+    from trainer import Parts
+
+    with time_limit(400):
+        examples = tiny_examples()
+        cfg = tiny_cfg(tiny_model_dir, tmp_path)
+        publisher = Publisher(cfg, examples)
+        prime = tba_prime.PrimeConfig(ref_reset_every=2)
+        parts = checks.install(tba_prime.install(Parts(), prime), publisher.probe)
+        make = tba_prime.configure(parts, prime).searcher
+        ray_cfg = ray_searchers.RayConfig(ray=cluster.address, ray_resources="searcher=1")
+        pool = ray_searchers.RaySearcherPool(
+            cfg, examples, gsm8k_reward, publisher.store, make=make, ray_cfg=ray_cfg
+        )
+        try:
+            pool.start()
+            pool.wait_ready()
+            publisher.publish(0)
+            got = collect_until(pool, lambda t: len(t) >= 8, 240)
+            assert {(t.version, t.ref_version) for t in got} == {(0, 0)}
+            publisher.publish(2)
+            got = collect_until(pool, lambda t: any(x.version == 2 for x in t), 180)
+            fresh = [t for t in got if t.version == 2]
+            assert fresh and {t.ref_version for t in fresh} == {2}
+            for t in fresh:
+                assert t.ref_logprob == pytest.approx(t.behaviour_logprob, abs=1e-3)
+        finally:
+            pool.stop()
