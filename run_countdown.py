@@ -42,8 +42,9 @@ import launch
 import report
 from checks import print_summary, run_summary
 from cli import run_cli
+from engines import load_causal_lm
 from evaluate import EvalConfig, Evaluator
-from tba import ConfigError, TBAConfig, load_causal_lm
+from tba import ConfigError, TBAConfig
 from tiny import (
     TINY_CHECKS,
     answer_rows,
@@ -52,6 +53,7 @@ from tiny import (
     supervised_warm_start,
 )
 from tiny import TINY_PRESET as SUMS_PRESET
+from trainer import run_tba
 
 # ----------------------------------------------------------------------------- the task
 
@@ -176,7 +178,7 @@ TINY_PRIME_PRESET: dict = dict(
     async_level=10,
     ref_reset_every=50,
     tb_clip_eps=0.0,  # the core's trust region is of tb_loss, which --tb_prime replaces
-    max_lag=-1,
+    barrier_lag=-1,
     max_train_lag=-1,
     replay_ratio=0.0,
     output_dir="runs/countdown_prime",
@@ -276,7 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
             metrics["eval/accuracy"] = evaluator.accuracy(trainer.whole_model(), subset, "eval")
 
     rl_start = time.time()
-    trainer = launch.run(configs, ranks, train, countdown_reward, on_step=on_step)
+    with launch.extensions(configs, ranks, on_step) as (run_cfg, parts, on_step):
+        trainer = run_tba(run_cfg, train, countdown_reward, parts=parts, on_step=on_step)
     rl_seconds = time.time() - rl_start
     final = out_dir / "final"
     trainer.model.save_pretrained(final)

@@ -45,10 +45,12 @@ import launch
 import report
 from checks import print_summary, run_summary
 from cli import run_cli
+from engines import load_causal_lm
 from evaluate import EvalConfig, Evaluator
-from tba import ConfigError, RunError, TBAConfig, knob, load_causal_lm, need
+from tba import ConfigError, RunError, TBAConfig, knob, need
 from tba_prime import PRIME_VALUES
 from tiny import CPU_VALUES, build_char_tokenizer
+from trainer import run_tba
 
 REPO = Path(__file__).resolve().parent
 
@@ -326,7 +328,7 @@ PAPER_PRESET: dict = dict(
     engine="vllm",
     vllm_gpu_memory_utilization=0.6,  # what the searcher's GPU has beside the reference
     weight_store="shared_memory",  # publishes gathered to rank 0's CPU, then Ray's store
-    max_lag=-1,
+    barrier_lag=-1,
     max_train_lag=-1,
     checkpoint_every=50,
     timeout_s=3600.0,  # a step of 512 sequences of up to 4,096 tokens takes minutes
@@ -543,7 +545,8 @@ def main(argv: list[str] | None = None) -> dict:
             metrics["eval/accuracy"] = evaluator.accuracy(trainer.whole_model(), subset, "eval")
 
     rl_start = time.time()
-    trainer = launch.run(configs, ranks, train, math_reward, on_step=on_step)
+    with launch.extensions(configs, ranks, on_step) as (run_cfg, parts, on_step):
+        trainer = run_tba(run_cfg, train, math_reward, parts=parts, on_step=on_step)
     rl_seconds = time.time() - rl_start
     final = out_dir / "final"
     trainer.model.save_pretrained(final)

@@ -71,10 +71,11 @@ from dataclasses import dataclass
 import torch
 
 from buffer import ReplayBuffer, Trajectory
+from engines import load_causal_lm
 from grpo import GRPOSearcher, GRPOTrainer, padded
 from searcher import SearcherSetup
-from tba import ConfigError, TBAConfig, group_token_logprobs, knob, load_causal_lm, need
-from trainer import Parts, Trainer, offpolicy_metrics
+from tba import ConfigError, TBAConfig, group_token_logprobs, knob, need, offpolicy_metrics
+from trainer import Parts, Trainer
 
 # The released TBA′ MATH config (MATH_experiments/TBA_qwen_b005_async10_reset50_IS), as flags.
 PRIME_VALUES: dict = dict(tb_prime=True, prime_is=True, async_level=10, ref_reset_every=50)
@@ -601,7 +602,7 @@ class OnceTrainer(Trainer):
     def oldest_version(self) -> int:
         return self.step - self.prime.async_level
 
-    def ready(self) -> bool:
+    def can_step(self) -> bool:
         """2. P groups generated at most A versions behind are waiting."""
         return self.buffer.count_ready(self.oldest_version()) >= self.cfg.prompts_per_step
 

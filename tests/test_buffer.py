@@ -184,12 +184,12 @@ def test_buffer_keeps_each_items_reference_version(tmp_path):
     torch.save(state, tmp_path / "buf.pt")
     copy = ReplayBuffer()
     copy.load_state_dict(torch.load(tmp_path / "buf.pt", weights_only=True))
-    assert [copy.groups[p][0].ref_version for p in (0, 1)] == [50, 100]
+    assert [copy.by_prompt[p][0].ref_version for p in (0, 1)] == [50, 100]
     for _, columns in state["groups"]:
         del columns["ref_version"]
     older = ReplayBuffer()
     older.load_state_dict(state)
-    assert [older.groups[p][0].ref_version for p in (0, 1)] == [0, 0]
+    assert [older.by_prompt[p][0].ref_version for p in (0, 1)] == [0, 0]
 
 
 class ListLayoutBuffer(ReplayBuffer):

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from buffer import Trajectory
+from engines import WeightStore
 from searcher import SearcherSetup
-from tba import ConfigError, WeightStore, group_token_logprobs, tb_loss
+from tba import ConfigError, group_token_logprobs, tb_loss
 from tba_prime import (
     OnceBuffer,
     PrimeConfig,
@@ -211,7 +212,7 @@ def test_a_reset_reference_never_meets_an_older_one_in_a_loss(tiny_model_dir):
 
 def load_initial(trainer):
     """The run's initial reference (the model the trainer started from)."""
-    from tba import load_causal_lm
+    from engines import load_causal_lm
 
     cfg = trainer.cfg
     return load_causal_lm(cfg.model, torch.float32, torch.device("cpu"), False)
