@@ -121,10 +121,8 @@ class PrimeConfig:
         for field in dataclasses.fields(self):  # the bounds each knob declares
             value, low = getattr(self, field.name), field.metadata.get("at_least")
             need(low is None or value >= low, f"--{field.name} must be >= {low}, got {value}")
-        need(
-            self.prime_ratio_cap > 1.0,
-            f"--prime_ratio_cap must be > 1, got {self.prime_ratio_cap}",
-        )
+            above = field.metadata.get("above")
+            need(above is None or value > above, f"--{field.name} must be > {above}, got {value}")
         need(
             self.prime_kl_from in ("policy", "behaviour"),
             f"--prime_kl_from {self.prime_kl_from!r} is not one of policy, behaviour",
@@ -361,7 +359,7 @@ class PrimeTrainer(Trainer):
             "prime/kl_mean": sums["kl"] / items,  # log pi - log p_ref of a response
             "prime/adv_abs_mean": sums["adv"] / items,
             "policy/logp_mean": sums["logp"] / items,
-            **offpolicy_metrics(torch.cat(rhos) if len(rhos) == 1 else _rows(rhos), 0, items),
+            **offpolicy_metrics(torch.cat(rhos), 0, items),  # rows: groups, or equal parts
         }
         del metrics["offpolicy/clip_frac"]  # TB's trust region's, not this loss's
         return metrics
@@ -372,19 +370,6 @@ def split_rows(cfg: TBAConfig) -> int:
     passes: TBA′'s loss with the sampler's KL, the references' scoring); 0: whole groups."""
     size = cfg.micro_batch_size
     return size if 0 < size < cfg.responses_per_prompt else 0
-
-
-def _rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Row blocks of equal width stacked; blocks of another width (the last part of a group)
-    padded with their own rows' mean, which moves no quantile and no ESS of a full row."""
-    width = max(p.shape[1] for p in parts)
-    out = []
-    for p in parts:
-        if p.shape[1] < width:
-            fill = p.mean(dim=1, keepdim=True).expand(-1, width - p.shape[1])
-            p = torch.cat([p, fill], dim=1)
-        out.append(p)
-    return torch.cat(out)
 
 
 class ResetTrainer(Trainer):
