@@ -628,10 +628,10 @@ def test_node_removed_mid_broadcast_actor_comes_back_elsewhere(cluster, tiny_mod
 
 
 def test_prime_searchers_reset_their_reference_from_the_board(cluster, tiny_model_dir, tmp_path):
-    """TBA′'s searchers as Ray actors (tba_prime.configure binds its settings into the factory
-    that travels to them, over the checked searcher): with the reference reset every 2 steps,
+    """TBA′'s searcher as a Ray actor (tba_prime.configure binds its settings into the factory
+    that travels to it, over the checked searcher): with the reference reset every 2 steps,
     batches of version 0 carry the initial reference's version, 0, and once version 2 is on the
-    board the actors copy it into their reference, so its batches carry version 2 and a log
+    board the actor copies it into its reference, so its batches carry version 2 and a log
     p_ref equal to their log pi_b (the same weights, the same rule)."""
     import checks
     import tba_prime
@@ -639,7 +639,7 @@ def test_prime_searchers_reset_their_reference_from_the_board(cluster, tiny_mode
 
     with time_limit(400):
         examples = tiny_examples()
-        cfg = tiny_cfg(tiny_model_dir, tmp_path)
+        cfg = tiny_cfg(tiny_model_dir, tmp_path, num_searchers=1)  # one actor is enough here
         publisher = Publisher(cfg, examples)
         prime = tba_prime.PrimeConfig(ref_reset_every=2)
         parts = checks.install(tba_prime.install(Parts(), prime), publisher.probe)
