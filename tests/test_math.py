@@ -125,8 +125,8 @@ def test_math_dry_run_runs_the_recipes_code_paths(tmp_path):
     pass, importance sampling, the async level, the reference reset (every 2 steps here)."""
     out = tmp_path / "run"
     argv = ["--preset", "dry_run", "--output_dir", str(out), "--total_steps", "3"]
-    argv += ["--max_new_tokens", "12", "--eval_test_size", "4", "--prompts_per_step", "2"]
-    results = run_math.main([*argv, "--searcher_batch_prompts", "2"])
+    argv += ["--max_new_tokens", "12", "--eval_test_size", "2", "--prompts_per_step", "1"]
+    results = run_math.main([*argv, "--searcher_batch_prompts", "1"])
     assert results["steps"] == 3 and results["accuracy_after"] == 0.0  # a random model
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["reference/version"] for r in rows] == [0, 2, 2]
