@@ -537,6 +537,7 @@ STALE_FLAGS = {
     "grpo_dr": False,
     "tb_prime": False,
     "prime_is": True,
+    "prime_ratio_cap": tba_prime.PrimeConfig.prime_ratio_cap,
     "ref_reset_every": 0,
     "tb_clip_eps": 0.0,
     "tb_m2_tau": 0.0,
@@ -561,6 +562,7 @@ STALE_LOSSES = {
     "tb_prime": ({"tb_prime": True, "ref_reset_every": 50}, "ref_reset_every"),
     "tb_prime_noreset": ({"tb_prime": True}, None),
     "tb_prime_nois": ({"tb_prime": True, "prime_is": False, "ref_reset_every": 50}, None),
+    "tb_prime_cap": ({"tb_prime": True, "ref_reset_every": 50}, "prime_ratio_cap"),
     "grpo": ({"loss": "grpo"}, None),  # the baseline
     "dr_grpo": ({"loss": "grpo", "grpo_dr": True}, None),  # Dr. GRPO (grpo.py, --grpo_dr)
     "grpo_m2po": ({"loss": "grpo", "grpo_m2po_tau": M2PO_TAU}, "grpo_m2po_tau"),
@@ -575,14 +577,15 @@ STALE_LOSSES = {
 def stale_loss(name: str) -> dict:
     """A staleness loss name as its flags (every key of STALE_FLAGS): tb is plain TB (the
     paper's), tb_prime TBA′'s loss with the reference reset every 50 steps (tb_prime_noreset
-    without it, tb_prime_nois without importance sampling), dr_grpo Dr. GRPO, tb_clip TB with
-    the trust region at 0.3 nats, tb_clip_lag with it widened with
-    the data's age beyond a horizon of 16 versions (offpolicy.py), tb_m2 with the second-moment
-    mask (offpolicy.py), tb_m2_pushed with the mask on the pushed items only, tb_clip_m2 with
-    both, grpo the baseline, grpo_m2po M2PO, grpo_m2po_pushed M2PO's final version,
-    grpo_decoupled AReaL's decoupled PPO; NAME_VALUE sets NAME's number (tb_clip_0.1: eps 0.1,
-    tb_clip_lag_32: the horizon 32, tb_m2_0.04: tau 0.04, grpo_decoupled_2: the weight cap 2,
-    tb_prime_25: the reset every 25 steps)."""
+    without it, tb_prime_nois without importance sampling, tb_prime_cap with the ratio's cap a
+    number), dr_grpo Dr. GRPO, tb_clip TB with the trust region at 0.3 nats, tb_clip_lag with
+    it widened with the data's age beyond a horizon of 16 versions (offpolicy.py), tb_m2 with
+    the second-moment mask (offpolicy.py), tb_m2_pushed with the mask on the pushed items
+    only, tb_clip_m2 with both, grpo the baseline, grpo_m2po M2PO, grpo_m2po_pushed M2PO's
+    final version, grpo_decoupled AReaL's decoupled PPO; NAME_VALUE sets NAME's number
+    (tb_clip_0.1: eps 0.1, tb_clip_lag_32: the horizon 32, tb_m2_0.04: tau 0.04,
+    grpo_decoupled_2: the weight cap 2, tb_prime_25: the reset every 25 steps, tb_prime_cap_2:
+    the ratio capped at 2)."""
     if name in STALE_LOSSES:
         flags, _ = STALE_LOSSES[name]
         return {**STALE_FLAGS, **flags}
@@ -663,6 +666,7 @@ def staleness_run(
         prime = tba_prime.PrimeConfig(
             tb_prime=flags["tb_prime"],
             prime_is=flags["prime_is"],
+            prime_ratio_cap=flags["prime_ratio_cap"],
             ref_reset_every=int(flags["ref_reset_every"]),
         )
         if prime.ref_reset_every and lag >= prime.ref_reset_every:
@@ -1808,7 +1812,7 @@ def main(argv: list[str] | None = None) -> None:
         "--losses",
         default="tb,tb_clip",
         help="staleness: comma list of tb (plain), tb_prime (TBA′'s loss and reference reset; "
-        "tb_prime_noreset, tb_prime_nois), tb_clip (TB's trust region at 0.3), "
+        "tb_prime_noreset, tb_prime_nois, tb_prime_cap), tb_clip (TB's trust region at 0.3), "
         "tb_m2 (the second-moment mask), tb_m2_pushed (on the pushed items), tb_clip_m2 (both), "
         "grpo, dr_grpo, grpo_m2po (M2PO), grpo_m2po_pushed, grpo_decoupled (AReaL's "
         "decoupled PPO); "
