@@ -231,7 +231,11 @@ def prime_tb_loss(
     The gradient is -sum_it m_it w_it A_i grad logp_it / N: each token pushed by its response's
     advantage, weighted by its ratio to the sampler; a token whose ratio is over the cap gives
     none (the clamp is flat there), so no token weighs more than ratio_cap. Its value is not
-    TB's: only its gradient is meant.
+    TB's: only its gradient is meant. The cap is not a trust region: it stops a token's push
+    whatever the sign of its advantage, so a token of a bad response that grew past the cap
+    is no longer pushed down (PPO's clip and tba.tb_loss's trust region stop only the push
+    in the direction already moved); at the tiny tasks' lr ten versions of drift collapse it
+    where TB's trust region holds, and a tighter cap is worse (docs/tba_prime.md).
 
     Why it is TB (tests/test_prime.py): on-policy (behaviour = logp, w = 1 with gradient
     grad logp), its gradient is tba.tb_loss's times beta P K / (2 N): TB's is
