@@ -18,8 +18,8 @@ from tba import ConfigError
 
 
 def test_stale_loss_names():
-    """Each --losses name is the flags its runs train with; tb_clip is the tiny presets' eps,
-    NAME_VALUE sets the name's number."""
+    """Each --losses name is the flags its runs train with; tb_clip is TB's trust region at 0.3
+    (the radius that holds the sums to a lag of 16), NAME_VALUE sets the name's number."""
 
     def flags(**given):
         return {**bench.STALE_FLAGS, **given}
@@ -44,6 +44,10 @@ def test_stale_loss_names():
     assert bench.stale_loss("tb_prime_nois") == flags(
         tb_prime=True, prime_is=False, ref_reset_every=50
     )
+    assert bench.stale_loss("tb_prime_cap_2") == flags(
+        tb_prime=True, ref_reset_every=50, prime_ratio_cap=2.0
+    )
+    assert bench.STALE_FLAGS["prime_ratio_cap"] == 8.0  # the released clamp
     for bad in ("nope", "tb_clip_", "tb_clip_x", "TB", "tb_clip_-1", "tb_clip_nan", "tb_0.3"):
         with pytest.raises(ConfigError, match="--losses"):
             bench.stale_loss(bad)
