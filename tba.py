@@ -489,7 +489,7 @@ def group_passes(num_groups: int, group_size: int, micro_batch_size: int) -> lis
 def knob(default, help: str, *, at_least: float | None = None, above: float | None = None):
     """A config field with its help text, which the command line shows (``cli.config_argparser``):
     one source of truth per knob, for this module's config and every extension's. ``at_least``
-    and ``above`` are its bounds, which ``TBAConfig.validate`` checks (value >= at_least, value
+    and ``above`` are its bounds, which ``check_bounds`` checks (value >= at_least, value
     > above)."""
     bounds = {"at_least": at_least, "above": above}
     return field(default=default, metadata={"help": help, **bounds})
@@ -510,6 +510,15 @@ def need(ok: bool, message: str) -> None:
     """Raise ConfigError(message) unless ``ok``: the configs' validation reads as a list."""
     if not ok:
         raise ConfigError(message)
+
+
+def check_bounds(config) -> None:
+    """Raise ConfigError naming the flag of the first of ``config``'s knobs outside its bounds."""
+    for f in dataclasses.fields(config):
+        value, low = getattr(config, f.name), f.metadata.get("at_least")
+        need(low is None or value >= low, f"--{f.name} must be >= {low}, got {value}")
+        above = f.metadata.get("above")
+        need(above is None or value > above, f"--{f.name} must be > {above}, got {value}")
 
 
 @dataclass
@@ -663,11 +672,7 @@ class TBAConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the field when a value or a combination cannot work."""
-        for f in dataclasses.fields(self):  # the bounds each knob declares
-            value, low = getattr(self, f.name), f.metadata.get("at_least")
-            need(low is None or value >= low, f"--{f.name} must be >= {low}, got {value}")
-            above = f.metadata.get("above")
-            need(above is None or value > above, f"--{f.name} must be > {above}, got {value}")
+        check_bounds(self)  # the bounds each knob declares
         need(
             2 <= self.responses_per_prompt <= self.buffer_capacity,
             "--responses_per_prompt (K) must be >= 2 "

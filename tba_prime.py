@@ -74,7 +74,15 @@ from buffer import ReplayBuffer, Trajectory
 from engines import load_causal_lm
 from grpo import GRPOSearcher, GRPOTrainer, padded
 from searcher import SearcherSetup
-from tba import ConfigError, TBAConfig, group_token_logprobs, knob, need, offpolicy_metrics
+from tba import (
+    ConfigError,
+    TBAConfig,
+    check_bounds,
+    group_token_logprobs,
+    knob,
+    need,
+    offpolicy_metrics,
+)
 from trainer import Parts, Trainer
 
 # The released TBA′ MATH config (MATH_experiments/TBA_qwen_b005_async10_reset50_IS), as flags.
@@ -118,11 +126,7 @@ class PrimeConfig:
     )
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):  # the bounds each knob declares
-            value, low = getattr(self, field.name), field.metadata.get("at_least")
-            need(low is None or value >= low, f"--{field.name} must be >= {low}, got {value}")
-            above = field.metadata.get("above")
-            need(above is None or value > above, f"--{field.name} must be > {above}, got {value}")
+        check_bounds(self)  # the bounds each knob declares
         need(
             self.prime_kl_from in ("policy", "behaviour"),
             f"--prime_kl_from {self.prime_kl_from!r} is not one of policy, behaviour",
