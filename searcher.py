@@ -2,32 +2,26 @@
 
 A searcher owns a generation engine (engines.py: the policy at some version), the frozen
 reference model, a shard of the prompts and a seed. ``Searcher.run`` loops over 1a load the
-newest weights (between generate calls) -> 1b generate N responses per prompt -> 1c rewards
-and reference log-probs -> 1d put the trajectories on the queue.
+newest weights (between generate calls) -> 1b generate N responses per prompt, with their
+behaviour log-probs -> 1c rewards and reference log-probs -> 1d put the trajectories on the
+queue.
 
-Reading order: the messages between the processes (``SearcherSetup``, what a searcher process
-is started with; the queue messages ``Ready``, ``Batch`` and ``Failure``), which both sides
-import; then the searcher. The last section, a learner may skip, is the plumbing of the
-searcher processes, from both sides: a process's entry point (``searcher_main``) and the pool
-that starts, watches, restarts and stops them for the trainer (``SearcherPool``). It lives here,
-beside what it runs, so that the whole protocol between the two sides is one file and
-trainer.py holds only the algorithm's side.
+Reading order: the messages a searcher sends (``Batch``, with its ``BatchStats``) and what its
+process is started with (``SearcherSetup``); the searcher; then its processes
+(``searcher_main`` in each child, ``SearcherPool`` in the trainer: spawned processes writing to
+one bounded queue). Their supervision -- readiness, failures, restarts within a limit, stopping
+-- is plumbing/processes.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
+import functools
 import math
 import multiprocessing
 import numbers
 import queue as queue_lib
 import random
-import signal
-import statistics
-import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -36,15 +30,12 @@ import torch
 import torch.multiprocessing as mp
 
 from buffer import Trajectory
-from engines import (
-    WeightsNotLoaded,
-    WeightStore,
-    load_causal_lm,
-    make_engine,
-    pad_token_id,
-    peak_memory_gb,
-)
-from tba import RunError, TBAConfig, group_passes, group_token_logprobs, scored_tokens
+from engines import WeightStore, make_engine
+from plumbing.logprobs import group_passes
+from plumbing.metrics import peak_memory_gb, searcher_metrics
+from plumbing.models import load_causal_lm, pad_token_id
+from plumbing.processes import ProcessPool, Ready, prompt_shards, run_reporting_failures
+from tba import TBAConfig, group_token_logprobs, scored_tokens
 
 # ----------------------------------------------------------------------------- messages
 
@@ -66,34 +57,16 @@ class BatchStats:
 
 
 @dataclass
-class Ready:
-    """The engine and the reference model are loaded (a vLLM engine has sized its KV cache):
-    the trainer may allocate its own memory. Generation starts at the first publish."""
-
-    rank: int
-    unix_time: float
-
-
-@dataclass
 class Batch:
-    """One generate call's trajectories (1d)."""
+    """1d. One generate call's trajectories, and what the searcher measured."""
 
     rank: int
     trajectories: list[Trajectory]
     stats: BatchStats
 
 
-@dataclass
-class Failure:
-    """The searcher raised; it exits with code 1 after sending this."""
-
-    rank: int
-    traceback: str
-    restartable: bool = True  # False for WeightsNotLoaded: a restart would fail the same way
-
-
 class WeightSource(Protocol):
-    """The published weights, as a searcher reads them (engines.WeightStore is one)."""
+    """1a. The published weights, as a searcher reads them (engines.WeightStore is one)."""
 
     def version(self) -> int:
         """The newest published version (-1 before the first publish)."""
@@ -107,14 +80,14 @@ class WeightSource(Protocol):
 
 @dataclass
 class SearcherSetup:
-    """What searcher process ``rank`` is started with (pickled once, at spawn)."""
+    """1. What searcher process ``rank`` is started with (pickled once, at spawn)."""
 
     rank: int
     cfg: TBAConfig
     examples: list[dict]  # this searcher's shard of the prompts
     reward_fn: Callable  # see rewards.py for the plug-in contract
     store: WeightSource
-    out_queue: Any  # a bounded multiprocessing queue of Ready, Batch and Failure messages
+    out_queue: Any  # the bounded queue: Batch messages, and plumbing.processes' Ready and Failure
     stop_event: Any  # a multiprocessing Event: set when the run ends
 
 
@@ -122,8 +95,8 @@ class SearcherSetup:
 
 
 class Searcher:
-    """One searcher's state and loop; ``searcher_main`` runs it in a child process. Its methods
-    are the seams an extension overrides (README, "Extensions")."""
+    """1. One searcher's state and loop; ``searcher_main`` runs it in a child process. Its methods
+    are the seams an extension overrides (docs/extensions.md)."""
 
     def __init__(self, setup: SearcherSetup):
         from transformers import AutoTokenizer
@@ -339,7 +312,7 @@ class Searcher:
         rule = self.cfg.scoring_rule(self.pad_id, self.eos_id, self.device)
         return group_token_logprobs(self.ref, prompts, responses, **rule)
 
-    def put(self, message: Ready | Batch) -> None:
+    def put(self, message) -> None:
         """1d. Put with a timeout, retrying while the run is alive (backpressure, never a hang)."""
         deadline = time.monotonic() + self.cfg.timeout_s
         while not self.should_stop():
@@ -353,77 +326,20 @@ class Searcher:
                     ) from None
 
 
-# ---- plumbing: the searcher processes, from both sides (a learner may skip) ----
-
-
-# A searcher process: its entry point, signals and failures.
+# ----------------------------------------------------------------------------- 1. the processes
 
 
 def searcher_main(setup: SearcherSetup, make: Callable[[SearcherSetup], Searcher]) -> None:
-    """Process entry point: ``make(setup)`` (Searcher, or an extension's subclass) runs until the
-    run ends. Any exception goes to the trainer as a ``Failure``, then exit 1."""
-    # Ctrl-C reaches the whole process group; the trainer owns shutdown and sets stop_event.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        torch.set_num_threads(setup.cfg.threads_per_process())
-        make(setup).run()
-    except BaseException as exc:  # noqa: BLE001 -- report all (KeyboardInterrupt too), exit 1
-        text = traceback.format_exc()
-        print(f"searcher {setup.rank} failed:\n{text}", flush=True)
-        failure = Failure(setup.rank, text, restartable=not isinstance(exc, WeightsNotLoaded))
-        try:  # exiting then flushes this message to the trainer, which keeps reading
-            setup.out_queue.put(failure, timeout=5.0)
-        except queue_lib.Full:
-            print(
-                f"searcher {setup.rank}: queue full, the trainer will see exit code 1", flush=True
-            )
-        raise SystemExit(1) from None
-    # Do not block process exit on flushing the queue's feeder thread when nobody reads it
-    # (the classic multiprocessing exit hang); the trainer has stopped reading by now.
-    setup.out_queue.cancel_join_thread()
+    """1. A searcher process: ``make(setup)`` (Searcher, or an extension's subclass) runs until the
+    run ends; an error goes to the trainer as a ``Failure`` (plumbing.processes), then exit 1."""
+    torch.set_num_threads(setup.cfg.threads_per_process())
+    run_reporting_failures(setup.rank, setup.out_queue, lambda: make(setup).run())
 
 
-# The trainer's side: the processes started, watched, restarted within limits, and stopped.
-
-
-class SearcherFailed(RunError):
-    """A searcher raised or died, and no restarts are left. The message carries the searcher's
-    own traceback, which is where the cause is (a reward that is not a number, a model that does
-    not fit): the trainer's side of it says only that the message arrived."""
-
-
-def prompt_shards(examples: list, num_searchers: int) -> list[list]:
-    """Disjoint shards of the prompts, one per searcher: two searchers never generate for the
-    same prompt at once."""
-    shards = [examples[r::num_searchers] for r in range(num_searchers)]
-    if any(not shard for shard in shards):
-        raise ValueError(f"{len(examples)} prompts cannot be split over {num_searchers} searchers")
-    return shards
-
-
-def searcher_metrics(arrived: list, latest: dict) -> dict[str, float]:
-    """The searchers' side of a step's metrics, for any pool: the mean timings of the batch
-    statistics that ``arrived`` since the last step (present only when some did), and what each
-    rank last reported (``latest``: rank -> its newest statistics)."""
-    out = {}
-    if arrived:
-        out["time/generate"] = statistics.fmean(s.generate_s for s in arrived)
-        out["time/reward"] = statistics.fmean(s.reward_s for s in arrived)
-        out["time/reference"] = statistics.fmean(s.reference_s for s in arrived)
-        out["time/load"] = statistics.fmean(s.load_s for s in arrived)
-    for rank, stats in sorted(latest.items()):
-        out[f"searcher{rank}/busy_frac"] = stats.busy_frac
-        out[f"searcher{rank}/version"] = float(stats.version)
-        out[f"searcher{rank}/peak_mem_gb"] = stats.peak_mem_gb
-        for name, value in stats.gauges.items():
-            out[f"searcher{rank}/{name}"] = value
-    return out
-
-
-class SearcherPool:
-    """Starts, watches, restarts and stops the searcher processes, and collects what they send:
-    trajectories for the buffer, and statistics for the metrics. ``collect`` runs on the intake
-    thread and ``metrics`` on the main one; a lock keeps them apart."""
+class SearcherPool(ProcessPool):
+    """The S searcher processes, spawned, each with its shard of the prompts, all writing to one
+    bounded queue, which the trainer's intake drains (``collect``: Ready and Failure messages,
+    restarts within max_searcher_restarts, and ``stop`` are plumbing.processes.ProcessPool's)."""
 
     def __init__(
         self,
@@ -434,141 +350,31 @@ class SearcherPool:
         make: Callable[[SearcherSetup], Searcher] = Searcher,
         log: Callable[[str], None] = print,
     ):
-        self.cfg = cfg
-        self.make = make
-        self.log = log
-        self.ctx = mp.get_context("spawn")
-        self.queue = self.ctx.Queue(maxsize=cfg.queue_size)
-        self.stop_event = self.ctx.Event()
-        shards = prompt_shards(examples, cfg.num_searchers)
+        """1. One process a searcher, each given its setup and its ``make``."""
+        ctx = mp.get_context("spawn")  # CUDA and vLLM need fresh processes, not forks
+        queue = ctx.Queue(maxsize=cfg.queue_size)  # bounded: a slow trainer slows the searchers
+        stop_event = ctx.Event()
         self.setups = [
-            SearcherSetup(
-                rank=rank,
-                cfg=cfg,
-                examples=shards[rank],
-                reward_fn=reward_fn,
-                store=store,
-                out_queue=self.queue,
-                stop_event=self.stop_event,
-            )
-            for rank in range(cfg.num_searchers)
+            SearcherSetup(rank, cfg, shard, reward_fn, store, queue, stop_event)
+            for rank, shard in enumerate(prompt_shards(examples, cfg.num_searchers))
         ]
-        self.procs: list = [None] * cfg.num_searchers
-        self.lock = threading.Lock()
-        self.restarts = 0  # all searchers together
-        self.last_error: dict[int, str] = {}  # rank -> traceback of its latest Failure
-        self.ready_ranks: set[int] = set()  # ranks whose running process has sent Ready
-        self.arrived: list = []  # BatchStats of the batches since the last metrics()
-        self.latest: dict = {}  # rank -> BatchStats of its newest batch
+        targets = [functools.partial(searcher_main, setup, make) for setup in self.setups]
+        super().__init__(
+            ctx, queue, stop_event, targets, cfg.max_searcher_restarts, cfg.timeout_s, log
+        )
+        self.arrived: list[BatchStats] = []  # of the batches since the last metrics()
+        self.latest: dict[int, BatchStats] = {}  # rank -> of its newest batch
 
-    def start(self, rank: int | None = None) -> None:
-        """Start searcher ``rank``, or all of them."""
-        ranks = [rank] if rank is not None else range(self.cfg.num_searchers)
-        for r in ranks:
-            self.ready_ranks.discard(r)
-            self.procs[r] = self.ctx.Process(
-                target=searcher_main, name=f"tba-searcher-{r}", args=(self.setups[r], self.make)
-            )
-            self.procs[r].start()
-
-    def wait_ready(self) -> None:
-        """Wait until every searcher has sent Ready: its engine is built and, with vLLM, its KV
-        cache sized from the memory free at that moment, which the trainer has not taken yet."""
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while len(self.ready_ranks) < self.cfg.num_searchers:
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(self.cfg.num_searchers)) - self.ready_ranks)
-                raise TimeoutError(
-                    f"searcher(s) {missing} not ready (engine and reference model loaded) "
-                    f"within {self.cfg.timeout_s}s"
-                )
-            if self.collect(timeout=0.2):
-                raise RuntimeError("a searcher generated before the first publish")
-
-    def collect(self, timeout: float = 0.0) -> list[Trajectory]:
-        """The trajectories of every batch waiting (after up to ``timeout`` s for the first
-        message); failures restarted or raised (SearcherFailed), readiness and batch statistics
-        recorded."""
-        messages = self.drain(timeout)  # waits without holding the lock
-        with self.lock:
-            return self.handle(messages)
-
-    def drain(self, timeout: float = 0.0) -> list[Ready | Batch | Failure]:
-        """Every message waiting, after up to ``timeout`` seconds for the first."""
-        messages = []
-        with contextlib.suppress(queue_lib.Empty):
-            if timeout > 0:
-                messages.append(self.queue.get(timeout=timeout))
-            else:
-                messages.append(self.queue.get_nowait())
-            while True:
-                messages.append(self.queue.get_nowait())
-        return messages
-
-    def handle(self, messages: list[Ready | Batch | Failure]) -> list[Trajectory]:
-        trajectories = []
-        for message in messages:
-            if isinstance(message, Failure):
-                self.last_error[message.rank] = message.traceback
-                why = "raised" if message.restartable else "its weights did not arrive"
-                self._failed(message.rank, why, message.restartable)
-            elif isinstance(message, Ready):
-                self.ready_ranks.add(message.rank)
-            elif isinstance(message, Batch):
-                trajectories += message.trajectories
-                self.arrived.append(message.stats)
-                self.latest[message.rank] = message.stats
-            else:
-                raise TypeError(f"SearcherPool: unexpected message {type(message).__name__}")
-        for rank, proc in enumerate(self.procs):
-            if not proc.is_alive():
-                self._failed(rank, f"exit code {proc.exitcode}")
-        return trajectories
-
-    def _failed(self, rank: int, why: str, restartable: bool = True) -> None:
-        """A searcher failed: restart it (it loads the newest weights on start) or raise."""
-        self.procs[rank].join(timeout=5.0)
-        self.procs[rank].kill()  # a no-op when it has exited
-        self.procs[rank].join(timeout=5.0)
-        error = self.last_error.get(rank, "(no traceback: the process died)")
-        limit = self.cfg.max_searcher_restarts
-        if not restartable:
-            raise SearcherFailed(f"searcher {rank} failed ({why}; not restarted):\n{error}")
-        if self.restarts >= limit:
-            raise SearcherFailed(
-                f"searcher {rank} failed ({why}); {self.restarts} restarts used of {limit}:\n"
-                f"{error}"
-            )
-        self.restarts += 1
-        self.log(f"searcher {rank} failed ({why}); restart {self.restarts}/{limit}:\n{error}")
-        self.start(rank)
+    def receive(self, batch: Batch) -> list[Trajectory]:
+        """2. A batch from the queue: its trajectories for the buffer, its statistics for the
+        metrics."""
+        self.arrived.append(batch.stats)
+        self.latest[batch.rank] = batch.stats
+        return batch.trajectories
 
     def metrics(self) -> dict[str, float]:
-        """Means of the timings of the batches that arrived since the last call (so present only
-        when async/batches_in > 0), and what each searcher last reported."""
+        """The timings of the batches that arrived since the last call (so present only when
+        async/batches_in > 0), and what each searcher last reported."""
         with self.lock:
             arrived, self.arrived = self.arrived, []
-            out = {
-                "async/batches_in": float(len(arrived)),
-                "async/searcher_restarts": float(self.restarts),
-            }
-            with contextlib.suppress(NotImplementedError):  # qsize is missing on macOS
-                out["async/queue_depth"] = float(self.queue.qsize())
-            out.update(searcher_metrics(arrived, self.latest))
-            return out
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Ask every searcher to stop, drain the queue while they exit, then terminate, then
-        kill."""
-        self.stop_event.set()
-        procs = [p for p in self.procs if p is not None]
-        deadline = time.monotonic() + timeout
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            self.drain()
-            time.sleep(0.05)
-        for p, end in itertools.product(procs, ("terminate", "kill")):
-            if p.is_alive():
-                getattr(p, end)()
-                p.join(timeout=3.0)
-        self.queue.cancel_join_thread()
-        self.queue.close()
+            return {**self.process_metrics(len(arrived)), **searcher_metrics(arrived, self.latest)}

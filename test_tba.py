@@ -19,27 +19,23 @@ from transformers import (
 )
 
 from buffer import ReplayBuffer, Trajectory
-from checks import sequence_logprobs
 from engines import WeightStore
-from evaluate import to_examples
+from extensions.checks import sequence_logprobs
+from extensions.evaluate import to_examples
+from extensions.tiny import cpu_config, save_tiny_model, synthetic_problems
+from plumbing.logprobs import distinct_responses, pad_sequences
 from rewards import gsm8k_reward
 from tba import (
     TBAConfig,
     beta_at,
-    distinct_responses,
     group_logprobs,
     group_token_logprobs,
-    pad_sequences,
-    scored_rows,
+    scored_tokens,
+    target_logprobs,
     tb_clipped,
     tb_log_z,
     tb_loss,
     wsd_lr_factor,
-)
-from tiny import (
-    cpu_config,
-    save_tiny_model,
-    synthetic_problems,
 )
 from trainer import run_tba
 
@@ -255,7 +251,7 @@ def tabular_tb_run(clip_eps: float, lag: int | None, steps: int = 400, drop=None
     behaviour policy far from the target); returns the total variation from p_ref exp(r/beta)/Z
     and the largest fraction of items a step clipped. ``drop(logp, ref_logp, reward, beta,
     behaviour_logp)``, when given, names the items that give no gradient (a mask such as
-    offpolicy.py's; tests/test_offpolicy.py)."""
+    extensions/offpolicy.py's; tests/test_offpolicy.py)."""
     vocab, length, beta, p, k = 3, 3, 0.5, 8, 8
     policy = TabularPolicy(vocab, length, scale=0.0)
     ref = TabularPolicy(vocab, length, scale=1.0, seed=11)
@@ -345,7 +341,7 @@ def test_group_logprobs_tempers_and_drops_a_final_eos():
         groups,
         pad_id=0,
         eos_id=eos,
-        temperature=0.7,
+        logprob_temperature=0.7,
         include_eos=False,
         share_prompt=False,
     )
@@ -383,7 +379,7 @@ def test_group_logprobs_shared_prompt_equals_one_forward_per_row(tiny_model_dir,
             groups,
             pad_id=0,
             eos_id=1,
-            temperature=0.7,
+            logprob_temperature=0.7,
             include_eos=include_eos,
             share_prompt=share,
         )
@@ -395,19 +391,34 @@ def test_group_logprobs_shared_prompt_equals_one_forward_per_row(tiny_model_dir,
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def row_by_row(model, prompts, groups, *, pad_id, eos_id, logprob_temperature, include_eos):
+    """Slow reference of ``group_token_logprobs``: each response alone, one forward of prompt +
+    response, no shared prefill, no de-duplication; rows padded with 0 as it pads them."""
+    rows = []
+    for prompt, group in zip(prompts, groups, strict=True):
+        for response in group:
+            tokens = scored_tokens(response, eos_id, include_eos)
+            logits = model(torch.tensor([prompt + tokens])).logits[:, len(prompt) - 1 : -1]
+            rows.append(target_logprobs(logits, torch.tensor([tokens]), logprob_temperature)[0])
+    width = max(1, max(len(row) for row in rows))
+    token_logp = torch.stack([torch.nn.functional.pad(row, (0, width - len(row))) for row in rows])
+    mask = torch.tensor([[int(c < len(row)) for c in range(width)] for row in rows])
+    return token_logp, mask
+
+
 def test_repeated_responses_are_scored_once_with_the_same_values_and_gradient(tiny_model_dir):
     """A group that holds a response twice or more (drawn with replacement) scores it once and
     copies its row: the log-probs, per token and summed, and the gradient through them equal
-    scoring every row (``scored_rows``), whose weights then count each copy."""
+    scoring every row alone (``row_by_row``), whose weights then count each copy."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     prompts = [[5, 6, 7], [8, 9]]
     groups = [[[20, 1], [21, 22, 1], [20, 1], [20, 1]], [[23, 1], [23, 1], [24], [25, 26, 1]]]
-    rule = dict(pad_id=0, eos_id=1, temperature=0.7, include_eos=False)
+    rule = dict(pad_id=0, eos_id=1, logprob_temperature=0.7, include_eos=False)
     distinct, rows = distinct_responses(groups)
     assert distinct == [[[20, 1], [21, 22, 1], [20, 1]], [[23, 1], [24], [25, 26, 1]]]
     assert rows.tolist() == [0, 1, 0, 0, 3, 3, 4, 5]
     results = []
-    for scorer in (group_token_logprobs, scored_rows):
+    for scorer in (group_token_logprobs, row_by_row):
         token_logp, mask = scorer(model, prompts, groups, **rule)
         weights = torch.autograd.grad((token_logp * 1.5).sum(), list(model.parameters()))
         results.append((token_logp, mask, weights))

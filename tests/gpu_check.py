@@ -21,7 +21,8 @@ In this order:
    (the parity check), then it times generate calls of the searchers' shape (3 prompts x N 24,
    up to 512 new tokens: a random model rarely ends early, so every call is the longest) and
    reports its own peak memory.
-5. **The weight group** (ray_searchers.py's ``--ray_weights broadcast``, without Ray), as far as
+5. **The weight group** (extensions/ray_searchers.py's ``--ray_weights broadcast``, without Ray), as
+far as
    one GPU shows it: the same version from this process to the searcher's over a gloo weight
    group of the two (from the CUDA store through host memory, ``StoreSnapshot``, in buckets),
    into a staging copy, then into its engine on the GPU, the parity probe checked again; and an
@@ -169,7 +170,7 @@ def save_model(root: Path, dry_run: bool) -> str:
     """A randomly initialised Llama of rho-1b's config in bf16 (the tiny Llama in the dry run),
     saved where the trainer and the engine load it."""
     if dry_run:
-        from tiny import save_tiny_model
+        from extensions.tiny import save_tiny_model
 
         return save_tiny_model(root / "model", hidden=64, layers=2, heads=2, tied=False)
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -229,7 +230,7 @@ def synthetic_groups(cfg, vocab: int, seed: int) -> list:
 
 def trainer_steps(cfg, device: torch.device, shape: dict, timed: int):
     """Seconds per AdamW step at the shape (the first, warm-up, apart) and the peak memory."""
-    from engines import peak_memory_gb
+    from plumbing.metrics import peak_memory_gb
     from trainer import Trainer
 
     torch.manual_seed(0)
@@ -270,7 +271,7 @@ def sync(device: torch.device) -> None:
 
 def probe_of(vocab: int):
     """The parity probe in token ids (no tokenizer here): 12 prompt and 22 response tokens."""
-    from checks import ParityProbe
+    from extensions.checks import ParityProbe
 
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(3, vocab, (34,), generator=gen).tolist()
@@ -284,7 +285,7 @@ def publish(trainer, device: torch.device):
     the probe's log-prob; the same weights through host memory; and the Ray driver's copy of
     the store to host memory. Seconds each, median of 3."""
     from engines import make_weight_store
-    from ray_searchers import StoreSnapshot
+    from extensions.ray_searchers import StoreSnapshot
 
     probe = probe_of(trainer.model.config.vocab_size)
     store = make_weight_store(trainer.cfg, trainer.model, device)
@@ -361,7 +362,7 @@ def send_by_group(store, server) -> dict:
     """Rank 0 of a gloo weight group of two (this process and the searcher's): the store's
     version through host memory (StoreSnapshot: a stream of its own, pinned memory), in
     buckets, then the flag that it is whole and the sum that says it arrived."""
-    from ray_searchers import StoreSnapshot, WeightGroup
+    from extensions.ray_searchers import StoreSnapshot, WeightGroup
 
     group = WeightGroup(
         "gloo", "127.0.0.1", server.port, 1, 0, 2, GROUP_TIMEOUT_S, "127.0.0.1", server=server
@@ -388,7 +389,7 @@ def nccl_one_rank(store) -> dict:
 
     import torch.distributed as dist
 
-    from ray_searchers import WeightGroup
+    from extensions.ray_searchers import WeightGroup
 
     server = dist.TCPStore(
         "127.0.0.1",
@@ -437,8 +438,8 @@ def _received_by_group(engine, store, probe, port: int) -> dict:
     (pinned on a GPU machine), then into the engine, and the parity probe on the engine."""
     import math
 
-    from checks import engine_logprob
-    from ray_searchers import WeightGroup
+    from extensions.checks import engine_logprob
+    from extensions.ray_searchers import WeightGroup
 
     group = WeightGroup("gloo", "127.0.0.1", port, 1, 1, 2, GROUP_TIMEOUT_S, "127.0.0.1")
     staging = torch.empty(
@@ -472,8 +473,9 @@ def _received_by_group(engine, store, probe, port: int) -> dict:
 
 
 def _searcher_figures(cfg, device, store, probe, shape: dict, timed: int) -> tuple[dict, object]:
-    from checks import engine_logprob
-    from engines import HFEngine, peak_memory_gb
+    from engines import HFEngine
+    from extensions.checks import engine_logprob
+    from plumbing.metrics import peak_memory_gb
 
     torch.set_num_threads(cfg.threads_per_process())
     if device.type == "cuda":

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-import checks
-import grpo
+from extensions import checks, grpo
 from tba import TBAConfig
 from trainer import Parts
 
@@ -45,13 +44,13 @@ def probe(cfg: TBAConfig, tolerance: float = 1e-4) -> checks.ParityProbe:
 
 
 def checked(cfg: TBAConfig, parts: Parts | None = None, tolerance: float = 1e-4) -> Parts:
-    """``parts`` (TB's by default) with the parity check on both sides (checks.py):
+    """``parts`` (TB's by default) with the parity check on both sides (extensions/checks.py):
     trainer.published then holds every version's checksum, and the searchers report theirs."""
     return checks.install(parts or Parts(), probe(cfg, tolerance))
 
 
 def grpo_parts() -> Parts:
-    """The GRPO baseline's parts (grpo.py)."""
+    """The GRPO baseline's parts (extensions/grpo.py)."""
     return grpo.install(Parts(), grpo.GRPOConfig(loss="grpo"))
 
 

@@ -1,4 +1,4 @@
-"""bench.py's quick mode writes every key of every section."""
+"""tools/bench.py's quick mode writes every key of every section."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-import bench
 from buffer import ReplayBuffer
-from cli import run_cli
+from extensions.cli import run_cli
 from helpers import REPO
-from tba import ConfigError
+from plumbing.config import ConfigError
+from tools import bench
 
 
 def test_stale_loss_names():
@@ -140,7 +140,7 @@ def test_staleness_through_the_buffer_trains_what_the_buffer_samples(tmp_path, m
 
     def sample(self, num_prompts, per_prompt, min_version=None):
         groups, is_mop = real(self, num_prompts, per_prompt, min_version)
-        drawn.append((len(groups), {len(g) for g in groups}, min_version, len(self._fresh)))
+        drawn.append((len(groups), {len(g) for g in groups}, min_version, len(self.fresh)))
         return groups, is_mop
 
     monkeypatch.setattr(ReplayBuffer, "sample", sample)
@@ -157,9 +157,9 @@ def test_staleness_through_the_buffer_trains_what_the_buffer_samples(tmp_path, m
 
 def test_ray_puts_the_timed_runs_searchers_on_the_clusters_searcher_nodes():
     """--ray ADDRESS: run_tba's pool becomes ray_searchers' actors, asking for the 'searcher'
-    resource that ray_searchers.py's loopback cluster offers on its worker nodes only; without
-    it, run_tba's own parts (None)."""
-    import ray_searchers
+    resource that extensions/ray_searchers.py's loopback cluster offers on its worker nodes only;
+    without it, run_tba's own parts (None)."""
+    from extensions import ray_searchers
 
     assert bench.ray_parts("") is None
     parts = bench.ray_parts("127.0.0.1:6390")
@@ -183,11 +183,11 @@ def test_an_unknown_loss_is_a_usage_error_before_any_run(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.usefixtures("vllm_on_cpu")  # its engines section builds a CPU vLLM engine
 def test_bench_quick_writes_every_key(tmp_path):
-    """bench.py --quick end to end: it exits 0 and writes every key. Timing goals are not
-    asserted here; bench.py reports them as measured times and ratios."""
+    """tools/bench.py --quick end to end: it exits 0 and writes every key. Timing goals are not
+    asserted here; tools/bench.py reports them as measured times and ratios."""
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "bench.py", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "tools.bench", "--quick", "--out", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -9,11 +9,16 @@ import re
 import pytest
 import torch
 
-from buffer import ReplayBuffer, Trajectory
+from buffer import ReplayBuffer, StoredTrajectory, Trajectory
 from engines import WeightStore
+from plumbing.checkpoint import buffer_state, load_buffer_state
 from tba import TBAConfig
 from test_tba import traj
 from trainer import Trainer
+
+
+def load_into(buffer: ReplayBuffer, state: dict) -> None:
+    load_buffer_state(buffer, state, StoredTrajectory)
 
 
 def test_buffer_shapes_and_sampling_with_replacement():
@@ -110,7 +115,7 @@ def test_mop_fraction_is_realised_at_the_paper_shape(tiny_model_dir):
                 held[s] = store.version()
         if not trainer.can_step():
             continue
-        short_steps += len(trainer.buffer._fresh) < cfg.prompts_per_step
+        short_steps += len(trainer.buffer.fresh) < cfg.prompts_per_step
         metrics = trainer.train_step()
         mop_fracs.append(metrics["async/mop_frac"])
         if trainer.step % cfg.publish_every == 0:
@@ -145,9 +150,9 @@ def test_buffer_state_round_trip(tmp_path):
         for j in range(4):
             buf.add(traj(pid, [pid, j], reward=random.Random(j).random(), version=pid % 3))
     buf.sample(2, 3)
-    torch.save(buf.state_dict(), tmp_path / "buf.pt")
+    torch.save(buffer_state(buf), tmp_path / "buf.pt")
     copy = ReplayBuffer()
-    copy.load_state_dict(torch.load(tmp_path / "buf.pt", weights_only=True))
+    load_into(copy, torch.load(tmp_path / "buf.pt", weights_only=True))
     assert copy.stats(5) == buf.stats(5)
     for _ in range(5):
         a, b = buf.sample(3, 4), copy.sample(3, 4)
@@ -164,9 +169,9 @@ def test_buffer_state_round_trips_per_token_log_probs(tmp_path):
     lists = {"behaviour": [-0.5, -1.5], "reference": [-0.25, -1.0]}
     buf.add(Trajectory(0, [5], [7, 8, 1], 1.0, -2.0, 0, lists))
     buf.add(traj(1, [9, 1]))
-    torch.save(buf.state_dict(), tmp_path / "buf.pt")
+    torch.save(buffer_state(buf), tmp_path / "buf.pt")
     copy = ReplayBuffer()
-    copy.load_state_dict(torch.load(tmp_path / "buf.pt", weights_only=True))
+    load_into(copy, torch.load(tmp_path / "buf.pt", weights_only=True))
     assert copy.by_prompt[0][0].token_logprobs == lists
     assert copy.by_prompt[1][0].token_logprobs is None
 
@@ -180,15 +185,15 @@ def test_buffer_keeps_each_items_reference_version(tmp_path):
     buf.add(traj(1, [8, 1]))
     buf.add(dataclasses.replace(traj(1, [8, 1], version=3), ref_version=100))  # replaces it
     assert sorted(t.ref_version for g in buf.sample(2, 1)[0] for t in g) == [50, 100]
-    state = buf.state_dict()
+    state = buffer_state(buf)
     torch.save(state, tmp_path / "buf.pt")
     copy = ReplayBuffer()
-    copy.load_state_dict(torch.load(tmp_path / "buf.pt", weights_only=True))
+    load_into(copy, torch.load(tmp_path / "buf.pt", weights_only=True))
     assert [copy.by_prompt[p][0].ref_version for p in (0, 1)] == [50, 100]
     for _, columns in state["groups"]:
         del columns["ref_version"]
     older = ReplayBuffer()
-    older.load_state_dict(state)
+    load_into(older, state)
     assert [older.by_prompt[p][0].ref_version for p in (0, 1)] == [0, 0]
 
 
@@ -199,7 +204,7 @@ class ListLayoutBuffer(ReplayBuffer):
     def add(self, traj: Trajectory) -> None:
         group = self.by_prompt.pop(traj.prompt_id, [])
         self.by_prompt[traj.prompt_id] = group
-        self._fresh.add(traj.prompt_id)
+        self.fresh.add(traj.prompt_id)
         if group:
             traj = dataclasses.replace(traj, prompt_tokens=group[0].prompt_tokens)
         key = tuple(traj.response_tokens)
@@ -235,9 +240,9 @@ def test_buffer_checkpoint_with_empty_responses_loads_weights_only(tmp_path):
     buffer.add(Trajectory("p", [5, 6], [], 1.0, -0.5, 3, token_logprobs=empty))
     lists = {"behaviour": [-0.1, -0.2], "reference": [-0.3, -0.4]}
     buffer.add(Trajectory("p", [5, 6], [7, 2**31 - 1], 0.0, -1.5, 4, lists))
-    torch.save(buffer.state_dict(), tmp_path / "buffer.pt")
+    torch.save(buffer_state(buffer), tmp_path / "buffer.pt")
     loaded = ReplayBuffer()
-    loaded.load_state_dict(torch.load(tmp_path / "buffer.pt", weights_only=True))
+    load_into(loaded, torch.load(tmp_path / "buffer.pt", weights_only=True))
     assert loaded.sample(1, 2)[0] == buffer.sample(1, 2)[0]
     assert sorted(len(t.response_tokens) for t in loaded.sample(1, 2)[0][0]) == [0, 2]
 
@@ -331,10 +336,10 @@ def test_buffer_packed_state_round_trips(tmp_path):
         reference.add(t)
     buf.sample(3, 2)
     reference.sample(3, 2)
-    torch.save(buf.state_dict(), tmp_path / "buf.pt")
+    torch.save(buffer_state(buf), tmp_path / "buf.pt")
     expected = [reference.sample(3, 2) for _ in range(5)]
     loaded = ReplayBuffer()
-    loaded.load_state_dict(torch.load(tmp_path / "buf.pt", weights_only=True))
+    load_into(loaded, torch.load(tmp_path / "buf.pt", weights_only=True))
     assert list(loaded.by_prompt) == list(buf.by_prompt)
     for pid, group in buf.by_prompt.items():
         assert [t.trajectory() for t in loaded.by_prompt[pid]] == [t.trajectory() for t in group]
@@ -344,7 +349,7 @@ def test_buffer_packed_state_round_trips(tmp_path):
     again = loaded.by_prompt[5][-1].trajectory()  # a loaded item's duplicate replaces it
     loaded.add(dataclasses.replace(again, reward=9.0, version=20))
     assert len(loaded) == len(buf) and loaded.by_prompt[5][-1].reward == 9.0
-    other = buf.state_dict()
+    other = buffer_state(buf)
     other["format"] = 3  # the format before the behaviour log-prob
-    with pytest.raises(ValueError, match="state format 3"):
-        ReplayBuffer().load_state_dict(other)
+    with pytest.raises(ValueError, match="state of format 3"):
+        load_into(ReplayBuffer(), other)

@@ -1,4 +1,4 @@
-"""The checks (checks.py): the smoke preset's summary and the weights verdict."""
+"""The checks (extensions/checks.py): the smoke preset's summary and the weights verdict."""
 
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ import types
 
 import pytest
 
-import checks
-import grpo
-import launch
 import run_gsm8k
-from engines import WeightsNotLoaded
-from evaluate import EvalConfig
+from extensions import checks, grpo, launch
+from extensions.evaluate import EvalConfig
 from helpers import checked, child_pids, cpu_main_args, time_limit
+from plumbing.processes import WeightsNotLoaded
 from run_gsm8k import main
 from searcher import Searcher
 from test_tba import digit_reward, pace, read_metrics, tiny_cfg, tiny_examples
@@ -120,7 +118,7 @@ def test_a_check_not_asked_for_is_not_reported(capsys):
 
 
 def test_the_summary_says_what_ran_where(tmp_path, tiny_model_dir, capsys):
-    """ran.json, merged from what each part records (launch.py the trainer and the local
+    """ran.json, merged from what each part records (extensions/launch.py the trainer and the local
     searchers; a Ray pool its actors and weight path), with the weights' times from the
     metrics, in the summary and its printed lines."""
     tasks = (EvalConfig, run_gsm8k.GSM8KConfig)

@@ -1,4 +1,4 @@
-"""Countdown (run_countdown.py): the problems made in code, the reward, and the job end to end
+"""Countdown (jobs/run_countdown.py): the problems made in code, the reward, and the job end to end
 in TBA′'s setting (its loss, the async level, the reference reset, the parity check)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-import run_countdown
-from run_countdown import (
+from jobs import run_countdown
+from jobs.run_countdown import (
     FORMAT_REWARD,
     MALFORMED_REWARD,
     countdown_problems,
@@ -57,7 +57,7 @@ def test_countdown_problems_have_their_solutions():
 
 @pytest.mark.slow
 def test_countdown_job_in_tbas_prime_setting(tiny_model_dir, tmp_path):
-    """run_countdown.py --preset tiny_prime on an untrained model (no warm start): TBA′'s loss,
+    """jobs/run_countdown.py --preset tiny_prime on an untrained model (no warm start): TBA′'s loss,
     each batch trained once at most 2 versions behind, the reference reset every 4 steps on
     the trainer and the searcher, the parity check after every load; results and metrics."""
     out = tmp_path / "run"

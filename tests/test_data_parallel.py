@@ -1,4 +1,4 @@
-"""The data-parallel trainer (data_parallel.py) on CPU: gloo on loopback, torchrun."""
+"""The data-parallel trainer (extensions/data_parallel.py) on CPU: gloo on loopback, torchrun."""
 
 from __future__ import annotations
 
@@ -19,20 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import data_parallel
-import grpo
 from buffer import Trajectory
-from data_parallel import DataParallelConfig, Ranks, full_tensor, rank_device
-from grpo import GRPOConfig
+from extensions import data_parallel, grpo
+from extensions.data_parallel import DataParallelConfig, Ranks, full_tensor, rank_device
+from extensions.grpo import GRPOConfig
+from extensions.tiny import cpu_config
 from helpers import REPO, free_port, proc_stats, small_tiny_job, time_limit, wait_for_rows
-from tba import (
-    TBAConfig,
-    scored_tokens,
-)
+from tba import TBAConfig, scored_tokens
 from test_tba import read_metrics
-from tiny import (
-    cpu_config,
-)
 from trainer import Parts, Trainer
 
 

@@ -14,16 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench
-import report
 import run_gsm8k
-import run_redteam
-import run_tldr
-from cli import run_cli
+from extensions import report
+from extensions.cli import run_cli
+from extensions.tiny import cpu_config, save_tiny_model
 from helpers import cli_run, stop_run, wait_for_rows
-from searcher import SearcherFailed
-from tba import ConfigError, RunError
-from tiny import cpu_config, save_tiny_model
+from jobs import run_redteam, run_tldr
+from plumbing.config import ConfigError, RunError
+from plumbing.processes import SearcherFailed
+from tools import bench
 from trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,7 +44,7 @@ def failure(capsys, main, argv: list[str]) -> tuple[int, list[str]]:
     [
         (["--lr", "-1"], 2, "error: --lr must be > 0, got -1.0"),
         (["--prompts_per_step", "0"], 2, "error: --prompts_per_step must be >= 1, got 0"),
-        (["--responses_per_prompt", "1"], 2, "error: --responses_per_prompt (K) must be >= 2"),
+        (["--responses_per_prompt", "1"], 2, "error: --responses_per_prompt must be >= 2, got 1"),
         (["--preset", "tiny", "--data_dir", "x"], 2, "the tiny preset makes its own task"),
         (["--preset", "tiny", "--model", "/no/such/model"], 1, "--model '/no/such/model': no such"),
     ],
@@ -113,7 +112,7 @@ def test_interrupt_outside_training_says_so(capsys):
 # FSDP's objects is), then works on: a signal that lands in the callback must still stop it.
 SIGNAL_IN_CALLBACK = """
 import gc, sys, time, weakref
-from cli import run_cli
+from extensions.cli import run_cli
 
 class Held:
     pass
@@ -182,14 +181,14 @@ def test_checkpoint_that_is_not_one_or_of_another_model(tmp_path):
 @pytest.mark.parametrize(
     "script, argv, status, message",
     [
-        ("run_gsm8k.py", ["--lr", "-1"], 2, "run_gsm8k.py: error: --lr must be > 0, got -1.0"),
-        ("report.py", ["/"], 1, "report.py: error: no metrics.jsonl in /:"),
+        (["run_gsm8k.py"], ["--lr", "-1"], 2, "run_gsm8k.py: error: --lr must be > 0, got -1.0"),
+        (["-m", "extensions.report"], ["/"], 1, "report.py: error: no metrics.jsonl in /:"),
     ],
 )
 def test_entry_scripts_print_one_line(script, argv, status, message):
     """The scripts as a person runs them: the exit status and the last line of stderr."""
     done = subprocess.run(
-        [sys.executable, script, *argv],
+        [sys.executable, *script, *argv],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -1,4 +1,5 @@
-"""The GRPO baseline (grpo.py): its loss against slow loops and REINFORCE; through the system."""
+"""The GRPO baseline (extensions/grpo.py): its loss against slow loops and REINFORCE; through the
+system."""
 
 from __future__ import annotations
 
@@ -11,20 +12,23 @@ from pathlib import Path
 import pytest
 import torch
 
-import offpolicy
-from buffer import ReplayBuffer, Trajectory
-from evaluate import EvalHFEngine
-from grpo import GRPOConfig, grpo_advantages, grpo_loss, grpo_metrics, install, k3_kl, padded
+from buffer import ReplayBuffer, StoredTrajectory, Trajectory
+from extensions import offpolicy
+from extensions.evaluate import EvalHFEngine
+from extensions.grpo import (
+    GRPOConfig,
+    grpo_advantages,
+    grpo_loss,
+    grpo_metrics,
+    install,
+    k3_kl,
+    padded,
+)
+from extensions.tiny import TINY_PRESET, cpu_config
 from helpers import checked, child_pids, grpo_parts, time_limit
-from tba import (
-    group_token_logprobs,
-    scored_tokens,
-)
+from plumbing.checkpoint import load_buffer_state
+from tba import group_token_logprobs, scored_tokens
 from test_tba import digit_reward, read_metrics, tiny_cfg, tiny_examples
-from tiny import (
-    TINY_PRESET,
-    cpu_config,
-)
 from trainer import Parts, Trainer, run_tba
 
 
@@ -261,7 +265,7 @@ def check_grpo_run(out: Path, steps: int, on_policy_tol: float | None) -> None:
     assert rows[0]["grpo/kl"] < 1e-6 and rows[-1]["grpo/kl"] > rows[0]["grpo/kl"]
     state = torch.load(out / "checkpoint.pt", weights_only=True)["trainer"]["buffer"]
     buffer = ReplayBuffer()
-    buffer.load_state_dict(state)
+    load_buffer_state(buffer, state, StoredTrajectory)
     items = [t for group in buffer.by_prompt.values() for t in group]
     lists = [t.token_logprobs for t in items]
     assert items and all(
@@ -331,7 +335,7 @@ def test_grpo_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir, dr
         [[t.response_tokens for t in g] for g in groups],
         pad_id=0,
         eos_id=1,
-        temperature=0.7,
+        logprob_temperature=0.7,
         include_eos=False,
         share_prompt=False,
     )
@@ -419,7 +423,7 @@ def test_hf_engine_records_the_trainers_logprobs_so_grpo_starts_at_ratio_one(
         outputs,
         pad_id=0,
         eos_id=eos,
-        temperature=cfg.logprob_temperature(),
+        logprob_temperature=cfg.logprob_temperature(),
         include_eos=True,
     )
     rows = [lp for o in logps for lp in o]

@@ -1,5 +1,5 @@
-"""Where a job's processes go on a machine's GPUs (launch.py): the trainer's ranks and the
-searchers never share a GPU, the memory shares come from the GPUs' memory, and ``--preset auto``
+"""Where a job's processes go on a machine's GPUs (extensions/launch.py): the trainer's ranks and
+the searchers never share a GPU, the memory shares come from the GPUs' memory, and ``--preset auto``
 says why it found no GPU. The GPUs are faked: their count, memory and driver."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import types
 import pytest
 import torch
 
-import launch
 import run_gsm8k
-from cli import run_cli
-from tba import ConfigError
+from extensions import launch
+from extensions.cli import run_cli
+from plumbing.config import ConfigError
 
 NEEDS = launch.GSM8K_PAPER_NEEDS
 

@@ -1,6 +1,7 @@
-"""The layout the README promises, checked from the source: the core (the card's files) imports
-no extension, buffer.py and rewards.py import nothing of the project, and no project module
-imports another in a cycle."""
+"""The layout the README promises, checked from the source: the root is the card's core, each
+layer imports only from itself and the layers below it (plumbing < the core < extensions <
+jobs < tools), buffer.py and rewards.py import nothing of the project, no module is in an
+import cycle, and the README's line counts are ``tools.linecount``'s."""
 
 from __future__ import annotations
 
@@ -10,31 +11,50 @@ from helpers import REPO
 
 CORE = {"tba", "buffer", "searcher", "engines", "trainer", "rewards", "run_gsm8k"}
 ALONE = {"buffer", "rewards"}  # each copies out alone (DEVELOPERS.md rule 6)
+LAYERS = ("plumbing", "core", "extensions", "jobs", "tools")
 # run_gsm8k is the main job: it may assemble the extensions a flag asks for, through launch, and
 # end as every entry script does, through cli
-JOB_USES = {"cli", "launch", "tiny", "evaluate", "checks", "report"}
+JOB_USES = {"extensions.cli", "extensions.launch", "extensions.tiny", "extensions.evaluate"}
+JOB_USES |= {"extensions.checks", "extensions.report"}
 
 
-def project_modules() -> set[str]:
-    return {path.stem for path in REPO.glob("*.py")}
+def project_modules() -> dict[str, str]:
+    """Every module of the project outside tests, by dotted name, and its layer."""
+    modules = {path.stem: "core" for path in REPO.glob("*.py") if path.stem != "test_tba"}
+    for layer in LAYERS:
+        for path in (REPO / layer).glob("*.py"):
+            if path.stem != "__init__":
+                modules[f"{layer}.{path.stem}"] = layer
+    return modules
 
 
 def imports_of(name: str) -> set[str]:
-    """The project modules ``name``.py imports, at any depth of its code."""
-    tree = ast.parse((REPO / f"{name}.py").read_text())
+    """The project modules ``name`` imports, at any depth of its code (``from pkg import mod``
+    counts as an import of ``pkg.mod``)."""
+    path = REPO / (name.replace(".", "/") + ".py")
+    modules = project_modules()
     found = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
+            found |= {alias.name for alias in node.names}
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
-    return found & project_modules()
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found & set(modules)
 
 
-def test_the_core_imports_no_extension():
-    for name in CORE - {"run_gsm8k"}:
-        assert imports_of(name) <= CORE, (name, imports_of(name) - CORE)
-    assert imports_of("run_gsm8k") <= CORE | JOB_USES, imports_of("run_gsm8k") - CORE - JOB_USES
+def test_the_root_is_the_card():
+    assert {path.stem for path in REPO.glob("*.py")} == CORE | {"test_tba"}
+
+
+def test_each_layer_imports_only_itself_and_the_layers_below():
+    modules = project_modules()
+    for name, layer in modules.items():
+        allowed = set(LAYERS[: LAYERS.index(layer) + 1])
+        above = {m for m in imports_of(name) if modules[m] not in allowed}
+        if name == "run_gsm8k":
+            above -= JOB_USES
+        assert not above, f"{name} ({layer}) imports {sorted(above)}, a layer above it"
 
 
 def test_buffer_and_rewards_import_nothing_of_the_project():
@@ -57,3 +77,9 @@ def test_no_import_cycles():
     for name in sorted(graph):
         if name not in state:
             visit(name, [])
+
+
+def test_every_plumbing_file_says_a_learner_may_skip_it():
+    for path in (REPO / "plumbing").glob("*.py"):
+        first = ast.get_docstring(ast.parse(path.read_text())).split("\n\n")[0]
+        assert "(a learner may skip)" in first, path.name

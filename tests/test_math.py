@@ -1,4 +1,4 @@
-"""MATH (run_math.py): the Hendrycks equivalence on the shipped sample's known answers, the
+"""MATH (jobs/run_math.py): the Hendrycks equivalence on the shipped sample's known answers, the
 loader, the 7B recipe's memory plan, and the recipe's code paths on a CPU (the dry run)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-import run_math
-from run_math import (
+from jobs import run_math
+from jobs.run_math import (
     PAPER_PRESET,
     QWEN25_7B,
     SAMPLE,
@@ -19,7 +19,7 @@ from run_math import (
     normalize_answer,
     read_math_jsonl,
 )
-from tba import ConfigError, RunError
+from plumbing.config import ConfigError, RunError
 
 # The sample's answers as written in its solutions, and answers that equal them under the MATH
 # checker's rules (by the row's order in data/math/sample.jsonl), then answers that do not.

@@ -1,6 +1,6 @@
-"""Off-policy corrections (offpolicy.py): the second-moment mask, M2PO's and the decoupled PPO
-losses against slow loops; TB's zero kept; a tabular policy trained to p_ref exp(r/beta)/Z from
-data 256 versions old."""
+"""Off-policy corrections (extensions/offpolicy.py): the second-moment mask, M2PO's and the
+decoupled PPO losses against slow loops; TB's zero kept; a tabular policy trained to p_ref
+exp(r/beta)/Z from data 256 versions old."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import random
 
 import pytest
 import torch
+from test_grpo import random_grpo_batch
 
-import grpo
-import offpolicy
 from buffer import Trajectory
-from offpolicy import (
+from extensions import grpo, offpolicy
+from extensions.offpolicy import (
     OffPolicyConfig,
     decoupled_ppo_loss,
     lag_clip_eps,
@@ -23,10 +23,10 @@ from offpolicy import (
     second_moment_keep,
     tb_m2_dropped,
 )
-from tba import ConfigError, group_token_logprobs, tb_clipped, tb_loss
-from test_grpo import random_grpo_batch
+from extensions.tiny import cpu_config
+from plumbing.config import ConfigError
+from tba import group_token_logprobs, tb_clipped, tb_loss
 from test_tba import tabular_tb_run
-from tiny import cpu_config
 from trainer import Parts, Trainer
 
 
@@ -304,7 +304,7 @@ def stale_groups(model, gen_seed: int = 1) -> tuple:
         [[t.response_tokens for t in g] for g in groups],
         pad_id=0,
         eos_id=1,
-        temperature=0.7,
+        logprob_temperature=0.7,
         include_eos=False,
         share_prompt=False,
     )

@@ -1,5 +1,5 @@
-"""TBA′ (tba_prime.py): its loss against TB's gradient and a slow loop, the reference that
-resets (never paired with another reference in a loss), the async level's queue."""
+"""TBA′ (extensions/tba_prime.py): its loss against TB's gradient and a slow loop, the reference
+that resets (never paired with another reference in a loss), the async level's queue."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import torch
 
 from buffer import Trajectory
 from engines import WeightStore
-from searcher import SearcherSetup
-from tba import ConfigError, group_token_logprobs, tb_loss
-from tba_prime import (
+from extensions.tba_prime import (
     OnceBuffer,
     PrimeConfig,
     configure,
@@ -21,8 +19,11 @@ from tba_prime import (
     prime_advantages,
     prime_tb_loss,
 )
+from extensions.tiny import cpu_config
+from plumbing.config import ConfigError
+from searcher import SearcherSetup
+from tba import group_token_logprobs, tb_loss
 from test_tba import digit_reward, tiny_examples
-from tiny import cpu_config
 from trainer import Parts
 
 
@@ -132,7 +133,7 @@ def scored(model, groups, temperature=1.0):
         [[t.response_tokens for t in g] for g in groups],
         pad_id=0,
         eos_id=1,
-        temperature=temperature,
+        logprob_temperature=temperature,
         include_eos=True,
     )
     return [row[:n] for row, n in zip(logp.tolist(), mask.sum(1).tolist(), strict=True)]
@@ -212,7 +213,7 @@ def test_a_reset_reference_never_meets_an_older_one_in_a_loss(tiny_model_dir):
 
 def load_initial(trainer):
     """The run's initial reference (the model the trainer started from)."""
-    from engines import load_causal_lm
+    from plumbing.models import load_causal_lm
 
     cfg = trainer.cfg
     return load_causal_lm(cfg.model, torch.float32, torch.device("cpu"), False)
@@ -247,8 +248,7 @@ def test_prime_passes_split_a_group_only_with_the_samplers_kl(tiny_model_dir):
 
 
 def test_prime_config_and_install_refuse_what_cannot_work(tiny_model_dir):
-    import grpo
-    import offpolicy
+    from extensions import grpo, offpolicy
 
     with pytest.raises(ConfigError, match="prime_kl_from 'x'"):
         PrimeConfig(prime_kl_from="x")

@@ -1,8 +1,8 @@
-"""Searchers as Ray actors (ray_searchers.py) on a multi-node Ray cluster that this module starts
-on one machine: ``ray.cluster_utils.Cluster`` with a head and three worker raylets, every address
-127.0.0.1, token authentication on (RAY_AUTH_MODE=token). Batches reach the driver with their
-version tags and the parity check, at most ray_in_flight calls per actor, the weights by the
-weight group or the object store; the weight group itself, outside Ray, with a member killed
+"""Searchers as Ray actors (extensions/ray_searchers.py) on a multi-node Ray cluster that this
+module starts on one machine: ``ray.cluster_utils.Cluster`` with a head and three worker raylets,
+every address 127.0.0.1, token authentication on (RAY_AUTH_MODE=token). Batches reach the driver
+with their version tags and the parity check, at most ray_in_flight calls per actor, the weights by
+the weight group or the object store; the weight group itself, outside Ray, with a member killed
 mid-broadcast and one hung past the deadline; an actor killed mid-broadcast (the others go on,
 it comes back with a full copy) and one hung past the deadline (killed; with no restart left,
 the run stops naming it and its node); a node removed mid-broadcast (its actor comes back on a
@@ -40,13 +40,14 @@ import psutil
 import ray
 import torch
 
-import ray_searchers
 import test_tba
-from checks import CheckedSearcher, ParityProbe, weights_checksum
-from engines import WeightStore, load_causal_lm, pad_token_id
+from engines import WeightStore
+from extensions import ray_searchers
+from extensions.checks import CheckedSearcher, ParityProbe, weights_checksum
 from helpers import REPO, start_cli_run, time_limit
+from plumbing.models import load_causal_lm, pad_token_id
+from plumbing.processes import SearcherFailed
 from rewards import gsm8k_reward
-from searcher import SearcherFailed
 from test_tba import tiny_examples
 
 pytestmark = pytest.mark.slow  # a Ray cluster of four raylets on this machine, for the module
@@ -565,7 +566,7 @@ def test_client_without_token_is_refused(cluster):
     """A driver without the cluster's token, or with a wrong one, is refused within seconds by
     ray_searchers.connect, saying why (Ray's own ray.init takes 20 s to raise a bare
     ConnectionError)."""
-    script = "import sys, ray_searchers; ray_searchers.connect(sys.argv[1])"
+    script = "import sys; from extensions import ray_searchers; ray_searchers.connect(sys.argv[1])"
     with time_limit(90):
         for extra in (
             dict(RAY_AUTH_MODE=None, RAY_AUTH_TOKEN=None),
@@ -633,8 +634,7 @@ def test_prime_searchers_reset_their_reference_from_the_board(cluster, tiny_mode
     batches of version 0 carry the initial reference's version, 0, and once version 2 is on the
     board the actor copies it into its reference, so its batches carry version 2 and a log
     p_ref equal to their log pi_b (the same weights, the same rule)."""
-    import checks
-    import tba_prime
+    from extensions import checks, tba_prime
     from trainer import Parts
 
     with time_limit(400):

@@ -1,4 +1,4 @@
-"""The red-teaming job (run_redteam.py): its preset, reward pieces, metrics, and a tiny run."""
+"""The red-teaming job (jobs/run_redteam.py): its preset, reward pieces, metrics, and a tiny run."""
 
 from __future__ import annotations
 
@@ -14,17 +14,14 @@ from transformers import (
     GPT2ForSequenceClassification,
 )
 
-import launch
-import run_redteam
-from evaluate import EvalConfig
+from extensions import launch
+from extensions.evaluate import EvalConfig
+from extensions.tiny import build_char_tokenizer, save_tiny_model
 from helpers import time_limit
-from run_redteam import HFToxicityClassifier, HFVictim, ToxicityReward
-from tba import ConfigError
+from jobs import run_redteam
+from jobs.run_redteam import HFToxicityClassifier, HFVictim, ToxicityReward
+from plumbing.config import ConfigError
 from test_tba import read_metrics
-from tiny import (
-    build_char_tokenizer,
-    save_tiny_model,
-)
 
 
 def test_redteam_paper_preset_rows():

@@ -1,5 +1,5 @@
-"""report.py: each tracker holds, step for step, what metrics.jsonl holds, read back with that
-tracker's own reader; the picture is drawn from any run, whatever metrics it wrote; a missing
+"""extensions/report.py: each tracker holds, step for step, what metrics.jsonl holds, read back with
+that tracker's own reader; the picture is drawn from any run, whatever metrics it wrote; a missing
 tracker names what to install. No test reaches the network, and every tracker's files stay in
 tmp_path: wandb and trackio write and read in child processes whose environment points them
 there (trackio fixes its store's directory at import)."""
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-import report
-from cli import config_argparser, configs_from_args
-from tba import ConfigError, RunError
+from extensions import report
+from extensions.cli import config_argparser, configs_from_args
+from plumbing.config import ConfigError, RunError
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = {"model": "tiny", "beta": 0.05, "publish_every": 2, "synchronous": False, "note": None}
@@ -127,7 +127,10 @@ def run_child(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 
     return done.stdout
 
 
-REPLAY = "import sys, report; report.replay(sys.argv[1], report.ReportConfig(*sys.argv[2:]))"
+REPLAY = (
+    "import sys; from extensions import report; "
+    "report.replay(sys.argv[1], report.ReportConfig(*sys.argv[2:]))"
+)
 
 
 def tensorboard_scalars(log_dir: Path):
@@ -409,7 +412,9 @@ def test_plot_run_errors_say_what_is_wrong(tmp_path):
 
 def test_command_line_draws_a_finished_runs_picture(run_dir, tmp_path):
     out = run_child(
-        [sys.executable, str(REPO / "report.py"), str(run_dir)], dict(os.environ), tmp_path
+        [sys.executable, "-m", "extensions.report", str(run_dir)],
+        {**os.environ, "PYTHONPATH": str(REPO)},
+        tmp_path,
     )
     assert out.strip() == str(run_dir / "curves.png")
     assert_png(run_dir / "curves.png")

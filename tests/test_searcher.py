@@ -11,20 +11,12 @@ from transformers import (
     AutoModelForCausalLM,
 )
 
+from extensions.tiny import build_char_tokenizer
+from plumbing.logprobs import pad_sequences
 from rewards import gsm8k_reward
-from searcher import (
-    Searcher,
-)
-from tba import (
-    group_logprobs,
-    group_token_logprobs,
-    pad_sequences,
-    scored_tokens,
-)
+from searcher import Searcher
+from tba import group_logprobs, group_token_logprobs, scored_tokens
 from test_tba import CumsumLM, loop_logprob
-from tiny import (
-    build_char_tokenizer,
-)
 
 
 @pytest.mark.parametrize("include_eos", [True, False])
@@ -36,7 +28,7 @@ def test_group_token_logprobs_align_with_scored_tokens_and_sum_to_group_logprobs
     to group_logprobs; the shared prompt gives the same tokens."""
     model, eos = CumsumLM(), 10
     prompts, groups = [[1, 2, 3], [4, 5]], [[[6, 7, eos], [8, 9]], [[eos], [3, eos]]]
-    kwargs = dict(pad_id=0, eos_id=eos, temperature=0.7, include_eos=include_eos)
+    kwargs = dict(pad_id=0, eos_id=eos, logprob_temperature=0.7, include_eos=include_eos)
     token_logp, mask = group_token_logprobs(model, prompts, groups, share_prompt=False, **kwargs)
     flat = [(p, r) for p, g in zip(prompts, groups, strict=True) for r in g]
     assert token_logp.shape == mask.shape == (4, 3 if include_eos else 2)
@@ -53,7 +45,7 @@ def test_group_token_logprobs_align_with_scored_tokens_and_sum_to_group_logprobs
     tiny = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13]]
     groups = [[[20, 21, 1], [22, 1], [23, 24, 25, 26]], [[1], [28, 29, 30, 1], [31]]]
-    kwargs = dict(pad_id=0, eos_id=1, temperature=0.7, include_eos=include_eos)
+    kwargs = dict(pad_id=0, eos_id=1, logprob_temperature=0.7, include_eos=include_eos)
     shared, shared_mask = group_token_logprobs(tiny, prompts, groups, **kwargs)
     plain, plain_mask = group_token_logprobs(tiny, prompts, groups, share_prompt=False, **kwargs)
     assert torch.equal(shared_mask, plain_mask)

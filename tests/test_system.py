@@ -16,9 +16,9 @@ from transformers import (
 )
 
 import run_gsm8k
-import tiny
-from cli import config_argparser, configs_from_args
-from grpo import GRPOConfig
+from extensions import tiny
+from extensions.cli import config_argparser, configs_from_args
+from extensions.grpo import GRPOConfig
 from helpers import (
     child_pids,
     cli_run,
@@ -31,9 +31,10 @@ from helpers import (
     time_limit,
     wait_for_rows,
 )
+from plumbing.config import ConfigError
+from plumbing.processes import SearcherFailed
 from run_gsm8k import main, read_gsm8k_jsonl
-from searcher import SearcherFailed
-from tba import ConfigError, TBAConfig
+from tba import TBAConfig
 from test_tba import digit_reward, read_metrics, tiny_cfg, tiny_examples
 from trainer import run_tba
 

@@ -1,4 +1,4 @@
-"""The TL;DR job (run_tldr.py): its preset, data, reward model, evaluator, and a tiny run."""
+"""The TL;DR job (jobs/run_tldr.py): its preset, data, reward model, evaluator, and a tiny run."""
 
 from __future__ import annotations
 
@@ -19,18 +19,16 @@ from transformers import (
     get_linear_schedule_with_warmup,
 )
 
-import run_tldr
-from cli import configs_from_args
-from evaluate import EvalConfig
-from grpo import GRPOConfig
+from extensions.cli import configs_from_args
+from extensions.evaluate import EvalConfig
+from extensions.grpo import GRPOConfig
+from extensions.tiny import build_char_tokenizer, cpu_config
 from helpers import child_pids, time_limit
-from run_tldr import RewardModelReward
-from tba import RunError, TBAConfig
+from jobs import run_tldr
+from jobs.run_tldr import RewardModelReward
+from plumbing.config import RunError
+from tba import TBAConfig
 from test_tba import read_metrics
-from tiny import (
-    build_char_tokenizer,
-    cpu_config,
-)
 from trainer import Parts, Trainer
 
 

@@ -19,22 +19,14 @@ from transformers import (
 )
 
 from buffer import ReplayBuffer, Trajectory
-from engines import HFEngine, WeightStore, meta_causal_lm
+from engines import HFEngine, WeightStore
+from extensions.tiny import cpu_config
 from helpers import time_limit
-from searcher import (
-    Failure,
-    Ready,
-    Searcher,
-    SearcherFailed,
-    SearcherPool,
-    SearcherSetup,
-    prompt_shards,
-)
+from plumbing.models import meta_causal_lm
+from plumbing.processes import Failure, Ready, SearcherFailed, prompt_shards
+from searcher import Searcher, SearcherPool, SearcherSetup
 from tba import TBAConfig, group_logprobs, tb_loss
 from test_tba import digit_reward, tiny_examples, traj
-from tiny import (
-    cpu_config,
-)
 from trainer import Intake, Trainer
 
 
@@ -102,7 +94,7 @@ def test_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
         [[t.response_tokens for t in g] for g in groups],
         pad_id=0,
         eos_id=1,
-        temperature=0.7,
+        logprob_temperature=0.7,
         include_eos=False,
         share_prompt=False,
     )
@@ -298,7 +290,7 @@ def test_cuda_ipc_weight_store_and_hf_engine(tiny_model_dir):
 def test_store_snapshot_reads_one_version_or_none():
     """ray_searchers.StoreSnapshot (the Ray driver's read of the store, on the intake thread):
     the newest version with its probe, or None while a publish is under way."""
-    from ray_searchers import StoreSnapshot  # Ray itself is not imported
+    from extensions.ray_searchers import StoreSnapshot
 
     weights = [("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(4))]
     store = WeightStore(weights, torch.float32, torch.device("cpu"))
@@ -319,7 +311,7 @@ def test_cuda_store_snapshot_does_not_wait_for_the_trainers_kernels():
     whole device)."""
     import threading
 
-    from ray_searchers import StoreSnapshot
+    from extensions.ray_searchers import StoreSnapshot
 
     weights = [("w", torch.randn(1 << 22, device="cuda"))]
     store = WeightStore(weights, torch.bfloat16, torch.device("cuda:0"))

@@ -15,15 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_grpo import check_grpo_run
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
 )
 
-import checks
-from engines import VLLMEngine, WeightsNotLoaded, WeightStore
-from evaluate import EngineProcess, EvalConfig, EvalHFEngine, Evaluator, to_examples
-from grpo import padded
+from engines import VLLMEngine, WeightStore
+from extensions import checks
+from extensions.evaluate import EngineProcess, EvalConfig, EvalHFEngine, Evaluator, to_examples
+from extensions.grpo import padded
+from extensions.tiny import cpu_config, save_tiny_model, synthetic_problems
 from helpers import (
     REPO,
     checked,
@@ -38,15 +40,10 @@ from helpers import (
     time_limit,
     wait_for_rows,
 )
+from plumbing.processes import WeightsNotLoaded
 from rewards import extract_answer
 from tba import TBAConfig, group_logprobs, group_token_logprobs
-from test_grpo import check_grpo_run
 from test_tba import digit_reward, tiny_cfg, tiny_examples
-from tiny import (
-    cpu_config,
-    save_tiny_model,
-    synthetic_problems,
-)
 from trainer import run_tba
 
 
@@ -114,7 +111,7 @@ def test_vllm_engine_generates_n_with_eos_from_the_tempered_policy(vllm_model_di
     hf = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
     groups = [[list(c.token_ids) for c in o.outputs] for o in sampled]
     with torch.no_grad():
-        want = group_logprobs(hf, prompts, groups, pad_id=0, eos_id=1, temperature=0.7)
+        want = group_logprobs(hf, prompts, groups, pad_id=0, eos_id=1, logprob_temperature=0.7)
     got = torch.tensor([[c.cumulative_logprob for c in o.outputs] for o in sampled])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
 
@@ -137,10 +134,10 @@ def test_vllm_engine_records_the_transformers_token_logprobs(vllm_model_dir):
     kwargs = dict(pad_id=0, eos_id=1, include_eos=True)
     with torch.no_grad():
         want, mask = group_token_logprobs(
-            hf, prompts, outputs, temperature=cfg.logprob_temperature(), **kwargs
+            hf, prompts, outputs, logprob_temperature=cfg.logprob_temperature(), **kwargs
         )
         other, _ = group_token_logprobs(
-            hf, prompts, outputs, temperature=1.0 if tempered else 0.7, **kwargs
+            hf, prompts, outputs, logprob_temperature=1.0 if tempered else 0.7, **kwargs
         )
     assert [len(lp) for lp in rows] == mask.sum(1).tolist()
     got = padded(rows, mask.shape[1], "cpu")

@@ -36,19 +36,20 @@ from dataclasses import dataclass
 import torch
 
 from buffer import Trajectory
+from plumbing.config import knob, need
 from searcher import Searcher
-from tba import group_token_logprobs, knob, need
+from tba import group_token_logprobs
 from trainer import Parts, Trainer
 
 
 @dataclass
 class GRPOConfig:
-    """The GRPO baseline's knobs (grpo.py)."""
+    """The GRPO baseline's knobs (extensions/grpo.py)."""
 
     loss: str = knob(
         "tb",
         "tb: VarGrad trajectory balance (the paper) | grpo: the on-policy GRPO baseline "
-        "(DeepSeekMath Eq. 3, token-level as TRL; grpo.py)",
+        "(DeepSeekMath Eq. 3, token-level as TRL; extensions/grpo.py)",
     )
     grpo_clip_eps: float = knob(0.2, "GRPO: clip range of the ratio pi / pi_old (TRL's default)")
     grpo_kl_coef: float = knob(

@@ -13,11 +13,12 @@ beside that file and never instead of it:
 - ``plot_run``: ``RUN_DIR/curves.png``, one figure of the run's curves (reward and evaluation
   against steps and against seconds, the loss, the lag distribution, samples per second).
 
-From a finished run's directory, ``python report.py RUN_DIR`` draws the picture and prints its
-path; ``--report_to X`` also sends the run's rows to tracker(s) X after the fact.
+From a finished run's directory, ``python -m extensions.report RUN_DIR`` draws the picture and
+prints its path; ``--report_to X`` also sends the run's rows to tracker(s) X after the fact.
 
 An extension: the core never imports this file; every job offers ``--report_to`` through
-launch.py, which logs each row and draws the picture at the end of a run. Beyond the project's
+extensions/launch.py, which logs each row and draws the picture at the end of a run. Beyond the
+project's
 config helpers (tba.knob): the standard library, matplotlib (for the picture) and the named
 tracker only.
 """
@@ -35,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from cli import config_argparser, configs_from_args, run_cli
-from tba import RunError, knob, need
+from extensions.cli import config_argparser, configs_from_args, run_cli
+from plumbing.config import RunError, knob, need
 
 TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # each but none: its package's name
 METRICS_FILE = "metrics.jsonl"

@@ -1,9 +1,9 @@
-"""What every job shares (run_gsm8k.py, run_tldr.py, run_redteam.py): its command line, built from
-the configs of the core, of the job and of the extensions; the ``trainer.Parts`` its flags ask
-for (GRPO, the off-policy corrections, the checks, searchers as Ray actors); torchrun's ranks
-(a data-parallel trainer); the tracker every metrics row also goes to (report.py); and where
-the processes go on the GPUs a machine has, with which memory shares (``gpu_placement``), and
-why ``--preset auto`` found none (``auto_preset``).
+"""What every job shares (run_gsm8k.py, jobs/run_tldr.py, jobs/run_redteam.py): its command line,
+built from the configs of the core, of the job and of the extensions; the ``trainer.Parts`` its
+flags ask for (GRPO, the off-policy corrections, the checks, searchers as Ray actors); torchrun's
+ranks (a data-parallel trainer); the tracker every metrics row also goes to (extensions/report.py);
+and where the processes go on the GPUs a machine has, with which memory shares (``gpu_placement``),
+and why ``--preset auto`` found none (``auto_preset``).
 
     configs = launch.parse(args, preset_values, EvalConfig)  # one config per component
     ranks = launch.torchrun(configs)   # ranks > 0 train under rank 0 in here, then return
@@ -25,16 +25,11 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-import checks
-import data_parallel
-import grpo
-import offpolicy
-import ray_searchers
-import report
-import tba_prime
-from cli import config_argparser, configs_from_args
 from engines import wants_vllm
-from tba import ConfigError, RunError, TBAConfig
+from extensions import checks, data_parallel, grpo, offpolicy, ray_searchers, report, tba_prime
+from extensions.cli import config_argparser, configs_from_args
+from plumbing.config import ConfigError, RunError
+from tba import TBAConfig
 from trainer import Parts, Trainer
 
 # The extensions every job offers, by the config that switches them on.
@@ -108,7 +103,7 @@ def config_dict(configs: Configs) -> dict:
 
 def parts(configs: Configs) -> Parts:
     """The parts of a run (trainer.Parts): TB, or what the extensions' flags ask for, and what
-    a job's own config installs (its ``install(parts)``: run_tldr.py's schedules)."""
+    a job's own config installs (its ``install(parts)``: jobs/run_tldr.py's schedules)."""
     chosen = Parts()
     for task in configs.task:
         if hasattr(task, "install"):

@@ -1,10 +1,10 @@
 """TBA on TL;DR summarisation (preference tuning): the paper preset on GPUs, or a tiny preset on
 a CPU with every piece built in code.
 
-    python run_tldr.py                        # auto: paper preset with CUDA GPUs, else tiny
-    python run_tldr.py --preset tiny          # offline, CPU, synthetic posts, a few minutes
-    python run_tldr.py --preset paper --size 2.8b --data_dir data/tldr
-    python run_tldr.py --help                 # every TBAConfig field is a flag
+    python -m jobs.run_tldr                        # auto: paper preset with CUDA GPUs, else tiny
+    python -m jobs.run_tldr --preset tiny          # offline, CPU, synthetic posts, a few minutes
+    python -m jobs.run_tldr --preset paper --size 2.8b --data_dir data/tldr
+    python -m jobs.run_tldr --help                 # every TBAConfig field is a flag
 
 The paper's task (Sec. 5, App. B; bbartoldson/TBA launch_training_tldr.sh): a Pythia policy
 warm-started by supervised fine-tuning on Reddit TL;DR summaries is tuned against a reward model
@@ -47,25 +47,26 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-import launch
-import report
-from checks import print_summary, run_summary, sequence_logprobs
-from cli import run_cli
-from engines import load_causal_lm
-from evaluate import EvalConfig, Evaluator
-from rewards import LazyModels
-from tba import RunError, TBAConfig, beta_at, knob, need, pad_sequences, wsd_lr_factor
-from tiny import (
+from extensions import launch, report
+from extensions.checks import print_summary, run_summary, sequence_logprobs
+from extensions.cli import run_cli
+from extensions.evaluate import EvalConfig, Evaluator
+from extensions.tiny import (
     TINY_CHECKS,
     answer_rows,
     build_char_tokenizer,
     supervised_warm_start,
     tiny_evaluator,
 )
-from tiny import TINY_PRESET as GSM8K_TINY_PRESET
+from extensions.tiny import TINY_PRESET as GSM8K_TINY_PRESET
+from plumbing.config import RunError, knob, need
+from plumbing.logprobs import pad_sequences
+from plumbing.models import load_causal_lm
+from rewards import LazyModels
+from tba import TBAConfig, beta_at, wsd_lr_factor
 from trainer import Parts, Trainer, run_tba
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------- paper preset
 
@@ -87,7 +88,7 @@ SEARCHER_PROMPTS = {"410m": 2, "1b": 1, "2.8b": 1}
 
 @dataclass
 class TLDRConfig:
-    """The TL;DR job's data and models (run_tldr.py)."""
+    """The TL;DR job's data and models (jobs/run_tldr.py)."""
 
     data_dir: str = knob("data/tldr", "paper: train.jsonl and validation.jsonl (module docstring)")
     size: str = knob(DEFAULT_SIZE, f"paper: the Pythia size, one of {', '.join(SIZES)}")

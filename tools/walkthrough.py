@@ -3,8 +3,8 @@ of tba.py's algorithm with the core's own classes (``Searcher``, ``ReplayBuffer`
 ``WeightStore``), in one process so that every number can be shown and comes out the same on
 every run of this machine's kind.
 
-    python walkthrough.py                 # rewrites docs/walkthrough.md (CPU, about 20 s)
-    python walkthrough.py --out PATH      # writes the page elsewhere
+    python -m tools.walkthrough                 # rewrites docs/walkthrough.md (CPU, about 20 s)
+    python -m tools.walkthrough --out PATH      # writes the page elsewhere
 
 tests/test_walkthrough.py writes it again and compares it with the page, so the page says what
 the code does. The run: a tiny Llama warm-started on two-digit sums (a fixed number of
@@ -21,11 +21,8 @@ from pathlib import Path
 import torch
 
 from buffer import Trajectory
-from engines import make_weight_store, meta_causal_lm, pad_token_id
-from rewards import gsm8k_reward
-from searcher import Searcher, SearcherSetup
-from tba import tb_log_z
-from tiny import (
+from engines import make_weight_store
+from extensions.tiny import (
     TINY_WARM_START,
     answer_rows,
     build_char_tokenizer,
@@ -33,9 +30,13 @@ from tiny import (
     tiny_configs,
     tiny_task,
 )
+from plumbing.models import meta_causal_lm, pad_token_id
+from rewards import gsm8k_reward
+from searcher import Searcher, SearcherSetup
+from tba import tb_log_z
 from trainer import Trainer
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "walkthrough.md"
 WARM_STEPS = 300  # supervised steps: right on some sums, wrong on others
 PROMPTS = 4  # P, and the prompts of the one generate call
@@ -78,7 +79,7 @@ def run(workdir: Path) -> list[str]:
     out = [
         "# One prompt through TBA, with a real run's numbers",
         "",
-        "Written by `python walkthrough.py` (tests/test_walkthrough.py checks that it still "
+        "Written by `python -m tools.walkthrough` (tests/test_walkthrough.py checks that it still "
         "says what the code does). The tiny task: two-digit sums in GSM8K's format, a tiny "
         f"Llama warm-started for {WARM_STEPS} supervised steps, the tiny preset's settings "
         f"(N = K = {cfg.num_generations}, beta = {cfg.beta_start}, T = {cfg.temperature}, "

@@ -1,8 +1,8 @@
 """Benchmarks of the TBA system: times and ratios measured in one run, on this machine.
 
-    python bench.py --out bench.json                         # 3 seeds per mode
-    python bench.py --seeds 5 --budget 180 --out bench.json  # the figures of docs/tiny.md
-    python bench.py --quick --out q.json                     # a smoke test, the same keys
+    python -m tools.bench --out bench.json                         # 3 seeds per mode
+    python -m tools.bench --seeds 5 --budget 180 --out bench.json  # the figures of docs/tiny.md
+    python -m tools.bench --quick --out q.json                     # a smoke test, the same keys
 
 (How long each takes on which machine: OPERATIONS.md.)
 
@@ -21,12 +21,14 @@ time_to_accuracy   The tiny task (run_gsm8k's tiny preset) from one supervised w
                    trainer step, waits), with f, the share of a synchronous step spent in the
                    searcher, and overlap's limit 1 / max(f, 1 - f); a PNG of accuracy against
                    wall-clock (with matplotlib installed).
-time_to_accuracy_hard  The same on the harder tiny task (tiny.py: three-digit sums, warm start
+time_to_accuracy_hard  The same on the harder tiny task (extensions/tiny.py: three-digit sums, warm
+start
                    0.335 on 400 held-out sums, which RL lifts slowly for a thousand steps and
                    more); levels 0.38 / 0.40 / 0.42, for --budget_hard seconds. With
                    `--ray HOST:PORT` both sections run their searchers as Ray actors on another
-                   node of that cluster (`python ray_searchers.py` makes one on loopback), so
-                   every published version crosses between nodes (docs/staleness.md, "the
+                   node of that cluster (`python -m extensions.ray_searchers` makes one on
+                   loopback), so every published version crosses between nodes (docs/staleness.md,
+                   "the
                    publish interval k").
 staleness          The tiny task trained on data d versions stale in one process, no asynchrony
                    (--lags, --losses: TB, its trust region and its corrections, GRPO and its):
@@ -34,7 +36,7 @@ staleness          The tiny task trained on data d versions stale in one process
                    steps to 0.85, collapses, clip and mask shares, rho's quantiles
                    (docs/staleness.md).
 hard_staleness     The same on the harder tiny task (steps to 0.40).
-countdown_staleness  The same on Countdown's tiny task (run_countdown.py). With --losses
+countdown_staleness  The same on Countdown's tiny task (jobs/run_countdown.py). With --losses
                    tb_prime,grpo,dr_grpo --lags 2,10 it is TBA′'s experiment in this harness:
                    TBA′'s loss with the reference reset every 50 steps against GRPO and Dr. GRPO,
                    each batch trained once, generated A versions behind (docs/tba_prime.md);
@@ -92,20 +94,12 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import data_parallel
-import grpo
-import offpolicy
-import run_countdown
-import run_tldr
-import tba_prime
 from buffer import Trajectory
-from cli import run_cli
-from engines import HFEngine, VLLMEngine, WeightStore, pad_token_id
-from evaluate import EvalHFEngine, Evaluator, to_examples
-from rewards import gsm8k_reward
-from searcher import SearcherSetup
-from tba import ConfigError, TBAConfig
-from tiny import (
+from engines import HFEngine, VLLMEngine, WeightStore
+from extensions import data_parallel, grpo, offpolicy, tba_prime
+from extensions.cli import run_cli
+from extensions.evaluate import EvalHFEngine, Evaluator, to_examples
+from extensions.tiny import (
     HARD_DATA,
     HARD_PRESET,
     HARD_WARM_START,
@@ -119,7 +113,16 @@ from tiny import (
     tiny_task,
     tiny_warm_start,
 )
+from jobs import run_countdown, run_tldr
+from plumbing.checkpoint import buffer_state, load_buffer_state
+from plumbing.config import ConfigError
+from plumbing.models import pad_token_id
+from rewards import gsm8k_reward
+from searcher import SearcherSetup
+from tba import TBAConfig
 from trainer import Parts, Trainer, run_tba
+
+REPO = Path(__file__).resolve().parents[1]
 
 HARD = ("time_to_accuracy_hard", "hard_staleness")  # the sections of the harder tiny task
 SECTIONS = (
@@ -141,9 +144,10 @@ STEP_WINDOW = 50  # and of this many steps
 
 @dataclass(frozen=True)
 class TimedTask:
-    """A task of the time-to-accuracy sections: its problems, warm start and preset (tiny.py),
-    the accuracies whose first crossing is timed, and the one the goals compare: below the
-    plateau, where a first crossing is not mostly evaluation noise (docs/tiny.md)."""
+    """A task of the time-to-accuracy sections: its problems, warm start and preset
+    (extensions/tiny.py), the accuracies whose first crossing is timed, and the one the goals
+    compare: below the plateau, where a first crossing is not mostly evaluation noise
+    (docs/tiny.md)."""
 
     name: str
     data: dict
@@ -367,12 +371,12 @@ def timed_run(
 
 def ray_parts(address: str) -> Parts | None:
     """run_tba's parts with the searchers as Ray actors on the cluster at ``address`` (None
-    when empty), each on a node that offers the ``searcher`` resource: ray_searchers.py's
+    when empty), each on a node that offers the ``searcher`` resource: extensions/ray_searchers.py's
     loopback cluster offers it on its worker nodes only, so the searchers and the trainer sit
     on different nodes and every published version crosses between them."""
     if not address:
         return None
-    import ray_searchers
+    from extensions import ray_searchers
 
     ray_cfg = ray_searchers.RayConfig(ray=address, ray_resources="searcher=1")
     return ray_searchers.install(Parts(), ray_cfg)
@@ -558,13 +562,16 @@ STALE_LOSSES = {
     "tb_m2_pushed": ({"tb_m2_tau": TB_M2_TAU, "m2_pushed_only": True}, "tb_m2_tau"),
     "tb_clip_m2": ({"tb_clip_eps": TB_CLIP_EPS, "tb_m2_tau": TB_M2_TAU}, "tb_m2_tau"),
     # TBA′'s loss with importance sampling and the reference reset every 50 steps (the released
-    # MATH config; tba_prime.py); without the reset, or without importance sampling
+    # MATH config; extensions/tba_prime.py); without the reset, or without importance sampling
     "tb_prime": ({"tb_prime": True, "ref_reset_every": 50}, "ref_reset_every"),
     "tb_prime_noreset": ({"tb_prime": True}, None),
     "tb_prime_nois": ({"tb_prime": True, "prime_is": False, "ref_reset_every": 50}, None),
     "tb_prime_cap": ({"tb_prime": True, "ref_reset_every": 50}, "prime_ratio_cap"),
     "grpo": ({"loss": "grpo"}, None),  # the baseline
-    "dr_grpo": ({"loss": "grpo", "grpo_dr": True}, None),  # Dr. GRPO (grpo.py, --grpo_dr)
+    "dr_grpo": (
+        {"loss": "grpo", "grpo_dr": True},
+        None,
+    ),  # Dr. GRPO (extensions/grpo.py, --grpo_dr)
     "grpo_m2po": ({"loss": "grpo", "grpo_m2po_tau": M2PO_TAU}, "grpo_m2po_tau"),
     "grpo_m2po_pushed": (
         {"loss": "grpo", "grpo_m2po_tau": M2PO_TAU, "m2_pushed_only": True},
@@ -579,9 +586,9 @@ def stale_loss(name: str) -> dict:
     paper's), tb_prime TBA′'s loss with the reference reset every 50 steps (tb_prime_noreset
     without it, tb_prime_nois without importance sampling, tb_prime_cap with the ratio's cap a
     number), dr_grpo Dr. GRPO, tb_clip TB with the trust region at 0.3 nats, tb_clip_lag with
-    it widened with the data's age beyond a horizon of 16 versions (offpolicy.py), tb_m2 with
-    the second-moment mask (offpolicy.py), tb_m2_pushed with the mask on the pushed items
-    only, tb_clip_m2 with both, grpo the baseline, grpo_m2po M2PO, grpo_m2po_pushed M2PO's
+    it widened with the data's age beyond a horizon of 16 versions (extensions/offpolicy.py), tb_m2
+    with the second-moment mask (extensions/offpolicy.py), tb_m2_pushed with the mask on the pushed
+    items only, tb_clip_m2 with both, grpo the baseline, grpo_m2po M2PO, grpo_m2po_pushed M2PO's
     final version, grpo_decoupled AReaL's decoupled PPO; NAME_VALUE sets NAME's number
     (tb_clip_0.1: eps 0.1, tb_clip_lag_32: the horizon 32, tb_m2_0.04: tau 0.04,
     grpo_decoupled_2: the weight cap 2, tb_prime_25: the reset every 25 steps, tb_prime_cap_2:
@@ -631,14 +638,14 @@ def staleness_run(
     timing. Returns the score every STALE_EVAL_EVERY
     steps: on ``task`` gsm8k greedy accuracy on the held-out sums (hard: those of the harder
     tiny task, its preset, ``model_dir`` its warm start; countdown: Countdown's held-out
-    problems, run_countdown.py's preset and warm start); on tldr (run_tldr's tiny
+    problems, jobs/run_countdown.py's preset and warm start); on tldr (run_tldr's tiny
     preset, its proxy reward cached beside ``model_dir``) the gold win rate of greedy summaries
     against the references, with their perplexity under the SFT model at the end; and per step
     the off-policy metrics of the update (``tba.offpolicy_metrics``) and its gradient norm
     (``steps``), with their means (``offpolicy``). A loss with the reference reset (tb_prime)
     resets it on the trainer every R steps and on the searcher once the weights it generates
-    with are at or past the reset, as the system does (tba_prime.py); the lag stays below R, so
-    the searcher's reference is then the trainer's."""
+    with are at or past the reset, as the system does (extensions/tba_prime.py); the lag stays below
+    R, so the searcher's reference is then the trainer's."""
     torch.set_num_threads(1)
     flags = stale_loss(loss)
     tb_flags = {"tb_clip_eps": flags["tb_clip_eps"]}
@@ -764,7 +771,10 @@ def _staleness_task(args: tuple) -> dict:
 
 STALE_MEANS = {  # summary key: the run's mean over steps (the first key a run has)
     "clip_frac": ("offpolicy/clip_frac", "grpo/clip_frac"),  # TB's trust region; GRPO's clip
-    "mask_frac": ("offpolicy/m2_mask_frac", "offpolicy/is_cap_frac"),  # offpolicy.py's masks
+    "mask_frac": (
+        "offpolicy/m2_mask_frac",
+        "offpolicy/is_cap_frac",
+    ),  # extensions/offpolicy.py's masks
     "rho_abs_mean": ("offpolicy/rho_abs_mean",),
     "rho_q10": ("offpolicy/rho_q10",),
     "rho_q50": ("offpolicy/rho_q50",),
@@ -1323,7 +1333,9 @@ def bench_intake(
     buf.sample(7, 20)
     out["sample_ms"] = (time.perf_counter() - t0) * 1e3
     t0 = time.perf_counter()
-    state = buf.state_dict()
+    # A reference buffer of an older version of the code saves itself; today's is saved by the
+    # checkpoint plumbing.
+    state = buf.state_dict() if hasattr(buf, "state_dict") else buffer_state(buf)
     out["state_dict_s"] = time.perf_counter() - t0
     file = io.BytesIO()
     t0 = time.perf_counter()
@@ -1337,7 +1349,10 @@ def bench_intake(
     out["load_s"] = time.perf_counter() - t0
     copy = module.ReplayBuffer()
     t0 = time.perf_counter()
-    copy.load_state_dict(state)
+    if hasattr(copy, "load_state_dict"):
+        copy.load_state_dict(state)
+    else:
+        load_buffer_state(copy, state, module.StoredTrajectory)
     out["load_state_dict_s"] = time.perf_counter() - t0
     assert len(copy) == len(buf)
     return out
@@ -1413,7 +1428,7 @@ class _LoadActor:
     weight group, its receiver thread started here), and a raw gloo group of the same ranks."""
 
     def __init__(self, rank: int, board, group_board, layout: list, dtype, bucket_bytes: int):
-        import ray_searchers
+        from extensions import ray_searchers
 
         torch.set_num_threads(1)
         self.rank = rank
@@ -1453,7 +1468,7 @@ class _LoadActor:
     def raw_join(self, host: str, port: int, world: int) -> None:
         import ray
 
-        import ray_searchers
+        from extensions import ray_searchers
 
         node_ip = ray.util.get_node_ip_address()
         self.raw = ray_searchers.WeightGroup(
@@ -1480,7 +1495,7 @@ def _weight_paths(name: str, model_kwargs: dict, dtype, searchers: int, reps: in
     import torch.distributed as dist
     from ray._private.state import state
 
-    import ray_searchers
+    from extensions import ray_searchers
 
     store = WeightStore(
         list(_meta_llama(model_kwargs).named_parameters()), dtype, torch.device("cpu")
@@ -1598,7 +1613,7 @@ def bench_ray(reps: int, cases: tuple, batches: int) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    import ray_searchers
+    from extensions import ray_searchers
 
     temp_dir = tempfile.mkdtemp(prefix="rb", dir="/tmp")  # short: unix socket paths
     saved = {key: os.environ.get(key) for key in ("RAY_TMPDIR", "RAY_AUTH_MODE")}
@@ -1851,7 +1866,8 @@ def main(argv: list[str] | None = None) -> None:
         default="",
         metavar="HOST:PORT",
         help="time to accuracy: the searchers as Ray actors on this cluster, on nodes offering "
-        "the 'searcher' resource (`python ray_searchers.py` starts one on loopback; docs/ray.md)",
+        "the 'searcher' resource (`python -m extensions.ray_searchers` starts one on "
+        "loopback; docs/ray.md)",
     )
     args = parser.parse_args(argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -2024,7 +2040,7 @@ def main(argv: list[str] | None = None) -> None:
             for key, path in buffers.items():
                 if path is not None:
                     log(f"intake: {path}")
-                    res[key] = bench_intake(str(Path(__file__).parent / path), **size)
+                    res[key] = bench_intake(str(REPO / path), **size)
                     if args.quick:  # the start's figure, as after time to accuracy
                         res[key]["parallel_speedup_after"] = res["parallel_speedup_start"]
                     else:

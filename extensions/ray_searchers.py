@@ -81,18 +81,21 @@ from pathlib import Path
 import torch
 
 from buffer import Trajectory
-from checks import record_ran
-from cli import run_cli
-from engines import WeightsNotLoaded, WeightStore
-from searcher import Batch, Searcher, SearcherFailed, SearcherSetup, prompt_shards, searcher_metrics
-from tba import RunError, TBAConfig, knob, need
+from engines import WeightStore
+from extensions.checks import record_ran
+from extensions.cli import run_cli
+from plumbing.config import RunError, knob, need
+from plumbing.metrics import searcher_metrics
+from plumbing.processes import SearcherFailed, WeightsNotLoaded, prompt_shards
+from searcher import Batch, Searcher, SearcherSetup
+from tba import TBAConfig
 from trainer import Parts
 
 # How a version reaches the actors (RayConfig.ray_weights).
 BROADCAST = "broadcast"
 OBJECT_STORE = "object_store"
 
-REPO_DIR = Path(__file__).resolve().parent
+REPO_DIR = Path(__file__).resolve().parents[1]
 # What a searcher needs of this directory on another node: the code. Ray's upload honours
 # .gitignore too (runs/ and the like).
 CODE_EXCLUDES = [".git", "runs", "research", "docs", "*.pt", "*.jsonl", "*.png"]
@@ -100,7 +103,7 @@ CODE_EXCLUDES = [".git", "runs", "research", "docs", "*.pt", "*.jsonl", "*.png"]
 
 @dataclass
 class RayConfig:
-    """Searchers as Ray actors (ray_searchers.py)."""
+    """Searchers as Ray actors (extensions/ray_searchers.py)."""
 
     ray: str = knob(
         "",

@@ -1,9 +1,9 @@
 """TBA on automated red-teaming -- the paper's GPT-2 setup on GPUs, or an offline tiny preset.
 
-    python run_redteam.py                    # auto: paper preset with CUDA GPUs, else tiny
-    python run_redteam.py --preset tiny      # offline, CPU, a victim and classifier built in code
-    python run_redteam.py --preset paper --model SFT_ATTACKER --data_dir DIR
-    python run_redteam.py --help             # every TBAConfig field is a flag
+    python -m jobs.run_redteam                    # auto: paper preset with CUDA GPUs, else tiny
+    python -m jobs.run_redteam --preset tiny      # offline, CPU, a victim and classifier built in
+    code python -m jobs.run_redteam --preset paper --model SFT_ATTACKER --data_dir DIR
+    python -m jobs.run_redteam --help             # every TBAConfig field is a flag
 
 The task (TBA Sec. 5, after Lee et al., "Learning diverse attacks on large language models for
 robust red-teaming and safety tuning", arXiv 2405.18540, code GFNOrg/red-teaming): an attacker
@@ -85,16 +85,16 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-import launch
-import report
-from checks import run_summary
-from cli import run_cli
-from engines import load_causal_lm, pad_token_id
-from evaluate import EvalConfig, EvalHFEngine
+from extensions import launch, report
+from extensions.checks import run_summary
+from extensions.cli import run_cli
+from extensions.evaluate import EvalConfig, EvalHFEngine
+from extensions.tiny import TINY_CHECKS, build_char_tokenizer, supervised_warm_start
+from extensions.tiny import TINY_PRESET as GSM8K_TINY_PRESET
+from plumbing.config import ConfigError, RunError, knob
+from plumbing.models import load_causal_lm, pad_token_id
 from rewards import LazyModels
-from tba import ConfigError, RunError, TBAConfig, knob
-from tiny import TINY_CHECKS, build_char_tokenizer, supervised_warm_start
-from tiny import TINY_PRESET as GSM8K_TINY_PRESET
+from tba import TBAConfig
 from trainer import run_tba
 
 VICTIM = "vicgalle/gpt2-alpaca"
@@ -147,7 +147,7 @@ PAPER_PRESET: dict = dict(
 
 @dataclass
 class RedteamConfig:
-    """Where the red-teaming job reads the attacker instruction (run_redteam.py)."""
+    """Where the red-teaming job reads the attacker instruction (jobs/run_redteam.py)."""
 
     data_dir: str = knob(
         "data/redteam",
@@ -165,7 +165,8 @@ class ToxicityReward(LazyModels):
         r(x) = mean_i log C(x, y_i)    (i = 1..responses)
 
     the classifier term of log R(x) = log p_ref(x) / gamma + r(x) / beta. The reference term is
-    not here: TBA's loss subtracts log p_ref itself (run_redteam.py's docstring has the mapping).
+    not here: TBA's loss subtracts log p_ref itself (jobs/run_redteam.py's docstring has the
+    mapping).
 
     ``victim`` has ``respond(attacks: list[str], n: int) -> list[list[str]]`` (n answers per
     attack) and ``classifier`` has ``log_toxicity(texts: list[str]) -> list[float]`` (log C in

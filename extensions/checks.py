@@ -14,9 +14,9 @@ something else.
 
 The extension: ``ChecksConfig``, ``ParityProbe``, ``CheckedTrainer`` and ``CheckedSearcher``
 (installed by ``install``), and the summary a job prints at its end. What ran is written as the
-run goes, by the parts that know it (``record_ran``: launch.py the trainer's ranks and local
-searchers, ray_searchers.py its actors and weight path), into ``output_dir/ran.json``, which
-the summary takes in.
+run goes, by the parts that know it (``record_ran``: extensions/launch.py the trainer's ranks and
+local searchers, extensions/ray_searchers.py its actors and weight path), into
+``output_dir/ran.json``, which the summary takes in.
 """
 
 from __future__ import annotations
@@ -32,15 +32,18 @@ from pathlib import Path
 
 import torch
 
-from engines import HFEngine, VLLMEngine, WeightsNotLoaded, WeightStore
+from engines import HFEngine, VLLMEngine, WeightStore
+from plumbing.config import knob, need
+from plumbing.logprobs import pad_sequences
+from plumbing.processes import WeightsNotLoaded
 from searcher import Batch, Searcher, SearcherSetup
-from tba import knob, need, pad_sequences, target_logprobs
+from tba import target_logprobs
 from trainer import Parts, Trainer
 
 
 @dataclass
 class ChecksConfig:
-    """The checks' knobs (checks.py)."""
+    """The checks' knobs (extensions/checks.py)."""
 
     parity_check: bool = knob(
         False, "after each load a searcher compares a probe log-prob with the trainer's"

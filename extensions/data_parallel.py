@@ -61,15 +61,18 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from buffer import Trajectory
-from engines import load_causal_lm, pad_token_id
-from tba import TBAConfig, group_logprobs, group_passes, knob
+from buffer import StoredTrajectory, Trajectory
+from plumbing.checkpoint import buffer_state, load_buffer_state
+from plumbing.config import knob
+from plumbing.logprobs import group_passes
+from plumbing.models import load_causal_lm, pad_token_id
+from tba import TBAConfig, group_logprobs
 from trainer import Parts, Trainer
 
 
 @dataclass
 class DataParallelConfig:
-    """The data-parallel trainer's knobs (data_parallel.py; under torchrun only)."""
+    """The data-parallel trainer's knobs (extensions/data_parallel.py; under torchrun only)."""
 
     startup_timeout_s: float = knob(
         3600.0,
@@ -514,7 +517,7 @@ class DataParallelTrainer(Trainer):
             "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
-            "buffer": self.buffer.state_dict(),
+            "buffer": buffer_state(self.buffer),
             "torch_rng": torch.get_rng_state(),
         }
 
@@ -530,7 +533,7 @@ class DataParallelTrainer(Trainer):
             options=StateDictOptions(full_state_dict=True),
         )
         self.scheduler.load_state_dict(state["scheduler"])
-        self.buffer.load_state_dict(state["buffer"])
+        load_buffer_state(self.buffer, state["buffer"], StoredTrajectory)
         self.step = state["step"]
         torch.set_rng_state(state["torch_rng"])
 

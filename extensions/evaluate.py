@@ -34,18 +34,12 @@ import torch
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
-from engines import (
-    HFEngine,
-    VLLMEngine,
-    WeightsNotLoaded,
-    WeightStore,
-    make_weight_store,
-    meta_causal_lm,
-    pad_token_id,
-    wants_vllm,
-)
+from engines import HFEngine, VLLMEngine, WeightStore, make_weight_store, wants_vllm
+from plumbing.config import knob, need
+from plumbing.models import meta_causal_lm, pad_token_id
+from plumbing.processes import WeightsNotLoaded
 from rewards import gsm8k_reward
-from tba import TBAConfig, knob, need
+from tba import TBAConfig
 
 PROMPT_TEMPLATE = "[MATH TASK] Problem:\n{question}\n\nSolution:\n"  # official TBA/VinePPO format
 
@@ -61,7 +55,7 @@ def to_examples(rows: list[dict]) -> list[dict]:
 
 @dataclass
 class EvalConfig:
-    """How a job evaluates the policy (evaluate.py)."""
+    """How a job evaluates the policy (extensions/evaluate.py)."""
 
     eval_every: int = knob(
         0, "evaluate on the fixed subset every this many steps (0: before and after only)"
@@ -277,8 +271,8 @@ class Evaluator:
     ``probe`` (checks.ParityProbe, with --parity_check): after each load into the vLLM engine,
     its log-prob of the probe must match the trainer model's, as a searcher's must. With a vLLM
     engine, ``close`` ends its process (at exit it ends anyway). An answer is right when
-    ``answer_reward`` pays it 1: a task's evaluator names its own (run_countdown.py,
-    run_math.py)."""
+    ``answer_reward`` pays it 1: a task's evaluator names its own (jobs/run_countdown.py,
+    jobs/run_math.py)."""
 
     answer_reward = staticmethod(gsm8k_reward)
 

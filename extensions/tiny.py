@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from checks import sequence_logprobs
-from cli import configs_from_args
-from evaluate import EvalConfig, Evaluator, to_examples
-from tba import TBAConfig, pad_sequences
+from extensions.checks import sequence_logprobs
+from extensions.cli import configs_from_args
+from extensions.evaluate import EvalConfig, Evaluator, to_examples
+from plumbing.logprobs import pad_sequences
+from tba import TBAConfig
 
 # Offline CPU run: a tiny Llama warm-started on synthetic sums, then TBA with 1 searcher. Tuned
 # for time to accuracy on a 2-core CPU (docs/tiny.md, "How the tiny preset was tuned"):
@@ -84,8 +85,8 @@ TINY_PRESET: dict = dict(
     checkpoint_every=100,  # four a run: a checkpoint costs several steps' time here
     timeout_s=300.0,
 )
-# The jobs' tiny presets also check that every weight load arrived (checks.py): the probe costs
-# nothing measurable here (0.11 s a step with and without it, 150 steps of GSM8K tiny).
+# The jobs' tiny presets also check that every weight load arrived (extensions/checks.py): the probe
+# costs nothing measurable here (0.11 s a step with and without it, 150 steps of GSM8K tiny).
 TINY_CHECKS: dict = dict(parity_check=True)
 TINY_DATA = dict(train=4000, test=200, digits=2)  # synthetic problems (train / held-out test)
 TINY_MODEL = dict(hidden=64, layers=2, heads=2)  # tiny Llama over the char vocabulary
@@ -104,9 +105,9 @@ TINY_WARM_START = dict(
 )
 
 
-# The harder tiny task, bench.py's second time-to-accuracy task: three-digit sums, warm-started
-# only to 0.4 on validation (0.335 on the test sums), from where on-policy TB lifts greedy
-# accuracy slowly, to 0.42-0.44 after 600-1000 steps (lr 2e-4 and 5e-4 alike, one seed each):
+# The harder tiny task, tools/bench.py's second time-to-accuracy task: three-digit sums,
+# warm-started only to 0.4 on validation (0.335 on the test sums), from where on-policy TB lifts
+# greedy accuracy slowly, to 0.42-0.44 after 600-1000 steps (lr 2e-4 and 5e-4 alike, one seed each):
 # room to learn for a thousand steps and more, where the tiny task is near its plateau of
 # 0.88-0.91 within a few hundred. 400 test sums: its gains are small beside the evaluation's
 # noise, which falls as 1 / sqrt(sums).

@@ -1,18 +1,20 @@
 """TBA′ on MATH: the paper's last experiment, Qwen2.5-7B at ten steps off-policy, as a job.
 
-    python run_math.py --preset dry_run                  # CPU: the recipe's code paths, tiny model
-    python run_math.py --preset paper --data_dir DIR ... # 2 nodes x 4 GPUs (docs/tba_prime.md)
-    python run_math.py --eval_only runs/math/final --data_dir DIR   # accuracy of a saved model
+    python -m jobs.run_math --preset dry_run                  # CPU: the recipe's code paths, tiny
+    model python -m jobs.run_math --preset paper --data_dir DIR ... # 2 nodes x 4 GPUs
+    (docs/tba_prime.md) python -m jobs.run_math --eval_only runs/math/final --data_dir DIR   #
+    accuracy of a saved model
 
 The released config (bbartoldson/tba-prime, MATH_experiments/TBA_qwen_b005_async10_reset50_IS;
 its launcher multinode_launch.sh and configs/training/MATH.toml), row by row in ``PAPER_PRESET``:
 Qwen/Qwen2.5-7B, AdamW at lr 1e-6 (weight decay 0.01, gradients clipped at 1), 512 sequences a
 step (32 prompts x 16 responses, each sampled and trained), temperature 1, 4,096-token sequences,
 420 steps, TBA′'s loss at beta 0.005 with importance sampling, async level 10, the reference
-reset every 50 steps (tba_prime.py); one node of 4 GPUs trains (FSDP, one sequence per pass,
-activation checkpointing), the other's 4 GPUs generate with vLLM. Here: the trainer under
-torchrun with FSDP2 on one node (data_parallel.py), four vLLM searchers as Ray actors on the
-other (ray_searchers.py). Where this departs from the released run: tba_prime.py's docstring
+reset every 50 steps (extensions/tba_prime.py); one node of 4 GPUs trains (FSDP, one sequence per
+pass, activation checkpointing), the other's 4 GPUs generate with vLLM. Here: the trainer under
+torchrun with FSDP2 on one node (extensions/data_parallel.py), four vLLM searchers as Ray actors on
+the other (extensions/ray_searchers.py). Where this departs from the released run:
+extensions/tba_prime.py's docstring
 (the loss), and ``PAPER_PRESET``'s comments (AdamW's betas, fp32 master weights).
 
 Data: ``--data_dir`` holds ``train.jsonl`` and ``test.jsonl`` in the Hendrycks MATH format,
@@ -41,18 +43,18 @@ from pathlib import Path
 
 import torch
 
-import launch
-import report
-from checks import print_summary, run_summary
-from cli import run_cli
-from engines import load_causal_lm
-from evaluate import EvalConfig, Evaluator
-from tba import ConfigError, RunError, TBAConfig, knob, need
-from tba_prime import PRIME_VALUES
-from tiny import CPU_VALUES, build_char_tokenizer
+from extensions import launch, report
+from extensions.checks import print_summary, run_summary
+from extensions.cli import run_cli
+from extensions.evaluate import EvalConfig, Evaluator
+from extensions.tba_prime import PRIME_VALUES
+from extensions.tiny import CPU_VALUES, build_char_tokenizer
+from plumbing.config import ConfigError, RunError, knob, need
+from plumbing.models import load_causal_lm
+from tba import TBAConfig
 from trainer import run_tba
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------- the reward
 
@@ -261,7 +263,7 @@ def drop_long(examples: list[dict], tokenizer, max_seq_len: int, max_new_tokens:
 
 @dataclass
 class MathConfig:
-    """The MATH job's data and budget (run_math.py)."""
+    """The MATH job's data and budget (jobs/run_math.py)."""
 
     data_dir: str = knob("sample", "train.jsonl and test.jsonl, Hendrycks format; sample: ours")
     max_seq_len: int = knob(
@@ -319,7 +321,7 @@ PAPER_PRESET: dict = dict(
     dtype="bfloat16",
     gradient_checkpointing=True,  # the released ac_ckpt
     micro_batch_size=1,  # one response a pass (micro_bs = 1), a prompt's 16 split over passes
-    prime_kl_from="behaviour",  # which lets a prompt's responses be split (tba_prime.py)
+    prime_kl_from="behaviour",  # which lets a prompt's responses be split (extensions/tba_prime.py)
     fsdp=True,
     trainer_device="cuda:0",  # local rank r on cuda:r
     num_searchers=4,

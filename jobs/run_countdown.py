@@ -2,8 +2,8 @@
 offline task beside the sums, the one TBA′'s released code trains Qwen3 on (docs/tba_prime.md);
 here a tiny preset on a CPU with every piece built in code.
 
-    python run_countdown.py                  # the tiny preset: warm start, then TBA, minutes
-    python run_countdown.py --help           # every config field is a flag
+    python -m jobs.run_countdown                  # the tiny preset: warm start, then TBA, minutes
+    python -m jobs.run_countdown --help           # every config field is a flag
 
 The task (``countdown_problems``): three numbers from 1-9 and a target, the value of a random
 expression that uses each number once with + - * (so every problem has an answer); the prompt
@@ -38,21 +38,21 @@ from pathlib import Path
 
 import torch
 
-import launch
-import report
-from checks import print_summary, run_summary
-from cli import run_cli
-from engines import load_causal_lm
-from evaluate import EvalConfig, Evaluator
-from tba import ConfigError, TBAConfig
-from tiny import (
+from extensions import launch, report
+from extensions.checks import print_summary, run_summary
+from extensions.cli import run_cli
+from extensions.evaluate import EvalConfig, Evaluator
+from extensions.tiny import (
     TINY_CHECKS,
     answer_rows,
     build_char_tokenizer,
     cpu_config,
     supervised_warm_start,
 )
-from tiny import TINY_PRESET as SUMS_PRESET
+from extensions.tiny import TINY_PRESET as SUMS_PRESET
+from plumbing.config import ConfigError
+from plumbing.models import load_causal_lm
+from tba import TBAConfig
 from trainer import run_tba
 
 # ----------------------------------------------------------------------------- the task
@@ -183,7 +183,7 @@ TINY_PRIME_PRESET: dict = dict(
     replay_ratio=0.0,
     output_dir="runs/countdown_prime",
 )
-# Supervised warm start on one solution per problem (the tiny sums' recipe, tiny.py): the
+# Supervised warm start on one solution per problem (the tiny sums' recipe, extensions/tiny.py): the
 # tiny Llama reaches ~0.6 greedy accuracy on held-out problems after 6,000 steps, so the
 # warm start stops at 0.4 on validation and leaves RL the rest.
 TINY_WARM_START = dict(
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
         configs = dataclasses.replace(configs, tba=cfg)
     tokenizer = launch.tokenizer(cfg)
     if cfg.dtype != "float32" or cfg.engine == "vllm":
-        raise ConfigError("run_countdown.py is the tiny CPU task: fp32 and the hf engine")
+        raise ConfigError("jobs/run_countdown.py is the tiny CPU task: fp32 and the hf engine")
     test = test[: eval_cfg.eval_test_size or None]
     subset = test[: eval_cfg.eval_subset]
     evaluator = CountdownEvaluator(cfg, eval_cfg, tokenizer, probe=launch.parity_probe(configs))

@@ -6,7 +6,7 @@ The paper trains Qwen2.5-7B on MATH with it and reports that it "remained stable
 configs (MATH_experiments/TBA_qwen_b005_async10_reset50_IS): lr 1e-6, 16 responses per prompt
 sampled and trained, async level 10, beta 0.005, the TB loss with importance sampling, the
 reference reset to the policy every 50 steps, 4,096-token sequences. docs/tba_prime.md has the
-experiments and the GPU recipe (run_math.py).
+experiments and the GPU recipe (jobs/run_math.py).
 
 1. The loss (``--tb_prime``; ``prime_tb_loss``). TB's gradient written per token with an
    advantage, the form of the released ``tba_loss``: on-policy TB's gradient is REINFORCE on
@@ -71,18 +71,12 @@ from dataclasses import dataclass
 import torch
 
 from buffer import ReplayBuffer, Trajectory
-from engines import load_causal_lm
-from grpo import GRPOSearcher, GRPOTrainer, padded
+from extensions.grpo import GRPOSearcher, GRPOTrainer, padded
+from plumbing.config import ConfigError, check_bounds, knob, need
+from plumbing.metrics import offpolicy_metrics
+from plumbing.models import load_causal_lm
 from searcher import SearcherSetup
-from tba import (
-    ConfigError,
-    TBAConfig,
-    check_bounds,
-    group_token_logprobs,
-    knob,
-    need,
-    offpolicy_metrics,
-)
+from tba import TBAConfig, group_token_logprobs
 from trainer import Parts, Trainer
 
 # The released TBA′ MATH config (MATH_experiments/TBA_qwen_b005_async10_reset50_IS), as flags.
@@ -91,7 +85,7 @@ PRIME_VALUES: dict = dict(tb_prime=True, prime_is=True, async_level=10, ref_rese
 
 @dataclass
 class PrimeConfig:
-    """TBA′'s settings (tba_prime.py): its loss, the reference reset, the async level."""
+    """TBA′'s settings (extensions/tba_prime.py): its loss, the reference reset, the async level."""
 
     tb_prime: bool = knob(
         False,
@@ -141,7 +135,8 @@ def install(parts: Parts, cfg: PrimeConfig) -> Parts:
     """``parts`` with what ``cfg`` turns on: the TBA′ loss (over the TB trainer only), the
     resetting reference (over any loss), the async level (over any), and TBA′'s searchers
     (``PrimeSearcher``: per-token log-probs, the reference reset). Call it after the losses'
-    installs (grpo.py, offpolicy.py) and before checks.install, and ``configure`` after that."""
+    installs (extensions/grpo.py, extensions/offpolicy.py) and before checks.install, and
+    ``configure`` after that."""
     trainer = parts.trainer
     if cfg.tb_prime:
         need(
@@ -399,7 +394,7 @@ class ResetTrainer(Trainer):
         )
         self.reference = reference.eval().requires_grad_(False)
         if getattr(self, "sharded", False):  # data_parallel.DataParallelTrainer with --fsdp
-            from data_parallel import shard_model
+            from extensions.data_parallel import shard_model
 
             shard_model(self.reference, self.ranks)
         self.ref_version = 0  # 0: the run's initial p_ref; else the policy version copied
@@ -442,7 +437,7 @@ class ResetTrainer(Trainer):
         rule = dict(
             pad_id=self.pad_id,
             eos_id=self.eos_id,
-            temperature=cfg.logprob_temperature(),
+            logprob_temperature=cfg.logprob_temperature(),
             include_eos=cfg.eos_in_logprob,
             device=self.device,
         )
@@ -486,8 +481,8 @@ class ResetTrainer(Trainer):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """A checkpoint without the reference (a sharded trainer's: data_parallel.py writes its
-        own state) resets it to the resumed policy."""
+        """A checkpoint without the reference (a sharded trainer's: extensions/data_parallel.py
+        writes its own state) resets it to the resumed policy."""
         super().load_state_dict(state)
         if "reference" in state:
             self.reference.load_state_dict(state["reference"])
@@ -507,7 +502,7 @@ def reshard(module: torch.nn.Module) -> None:
 
 def _per_rank(trainer: Trainer, metrics: dict, key: str) -> dict:
     """A metric that is already the whole batch's on every rank, divided by the ranks, so that
-    a data-parallel trainer's sum over them (data_parallel.py) gives it back."""
+    a data-parallel trainer's sum over them (extensions/data_parallel.py) gives it back."""
     ranks = getattr(trainer, "ranks", None)
     if ranks is not None:
         metrics[key] /= ranks.world_size

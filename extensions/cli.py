@@ -4,8 +4,8 @@ exit status for a failure a person can fix, or for Ctrl-C and SIGTERM).
 
 The core's config (``tba.TBAConfig``) and every extension's are plain dataclasses whose fields
 carry their help text (``tba.knob``); this module turns them into flags. The core runs without
-it: ``trainer.run_tba`` takes a config object. launch.py builds every job's command line from
-it; report.py and ray_searchers.py their own.
+it: ``trainer.run_tba`` takes a config object. extensions/launch.py builds every job's command line
+from it; extensions/report.py and extensions/ray_searchers.py their own.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import threading
 import traceback
 from collections.abc import Callable
 
-from tba import ConfigError, RunError, need
+from plumbing.config import ConfigError, RunError, need
 
 
 def config_argparser(description: str, *configs: type) -> argparse.ArgumentParser:
