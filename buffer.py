@@ -13,7 +13,7 @@ probability m (``mop_prob``) the prompt is most-on-policy (MOP) and its K items 
 softmax(reward * inv_temp) (0: uniform). A group with fewer than K eligible items is drawn with
 replacement (official behaviour). Prompts are drawn without replacement, cycling through each
 pool before repeating, as the official code does, so a step never trains twice on one prompt.
-``min_version`` bounds the age of everything drawn (``TBAConfig.max_train_lag``).
+``min_version`` bounds the lag of everything drawn (``TBAConfig.max_train_lag``).
 
 MOP prompts are those refreshed since the latest weight publish, which the trainer announces
 with ``mark_published()``; when fewer than P were refreshed, the P most recently refreshed.

@@ -111,10 +111,10 @@ def sequence_logprobs(
     response_mask: torch.Tensor,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """log pi(y|x) (B,) of ``tba.pad_sequences`` rows, each prompt and response in one row of
-    one forward: token t is predicted by the logits at t - 1, and prompt and padding positions
-    are masked out. The probe's scorer, apart from the shared-prompt path that the trainer and
-    the searchers score by (``tba.group_token_logprobs``); the tiny warm start and the TL;DR
+    """log pi(y|x) (B,) of ``plumbing.logprobs.pad_sequences`` rows, each prompt and response in one
+    row of one forward: token t is predicted by the logits at t - 1, and prompt and padding
+    positions are masked out. The probe's scorer, apart from the shared-prompt path that the trainer
+    and the searchers score by (``tba.group_token_logprobs``); the tiny warm start and the TL;DR
     perplexity use it too."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
     token_logp = target_logprobs(logits, input_ids[:, 1:], temperature)

@@ -3,9 +3,9 @@
 exit status for a failure a person can fix, or for Ctrl-C and SIGTERM).
 
 The core's config (``tba.TBAConfig``) and every extension's are plain dataclasses whose fields
-carry their help text (``tba.knob``); this module turns them into flags. The core runs without
-it: ``trainer.run_tba`` takes a config object. extensions/launch.py builds every job's command line
-from it; extensions/report.py and extensions/ray_searchers.py their own.
+carry their help text (``plumbing.config.knob``); this module turns them into flags. The core runs
+without it: ``trainer.run_tba`` takes a config object. extensions/launch.py builds every job's
+command line from it; extensions/report.py and extensions/ray_searchers.py their own.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ prints its path; ``--report_to X`` also sends the run's rows to tracker(s) X aft
 An extension: the core never imports this file; every job offers ``--report_to`` through
 extensions/launch.py, which logs each row and draws the picture at the end of a run. Beyond the
 project's
-config helpers (tba.knob): the standard library, matplotlib (for the picture) and the named
-tracker only.
+config helpers (plumbing.config.knob): the standard library, matplotlib (for the picture) and the
+named tracker only.
 """
 
 from __future__ import annotations
