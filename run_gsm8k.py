@@ -30,7 +30,7 @@ from extensions.checks import print_summary, run_summary, weights_verdict
 from extensions.cli import run_cli
 from extensions.evaluate import EvalConfig, Evaluator, to_examples
 from extensions.tiny import TINY_CHECKS, TINY_PRESET, tiny_task, tiny_warm_start
-from plumbing.checkpoint import claimed, write_atomic
+from plumbing.checkpoint import claimed, save_final, write_atomic, write_results
 from plumbing.config import ConfigError, RunError, knob
 from plumbing.models import load_causal_lm
 from rewards import gsm8k_gold, gsm8k_reward
@@ -225,9 +225,7 @@ def train_and_evaluate(configs, preset: str, ranks, wall_start: float) -> dict:
         trainer = run_tba(cfg, train, gsm8k_reward, parts=parts, on_step=on_step)
     rl_seconds = time.time() - rl_start
 
-    final = out_dir / "final"
-    trainer.model.save_pretrained(final)
-    tokenizer.save_pretrained(final)
+    final = save_final(out_dir, trainer.model, tokenizer)
     after = {
         "accuracy_after": evaluator.accuracy(trainer.model, test, "eval after (greedy)"),
         "diversity_after": evaluator.diversity(trainer.model, subset),
@@ -249,7 +247,7 @@ def train_and_evaluate(configs, preset: str, ranks, wall_start: float) -> dict:
         "summary": summary,
         "config": launch.config_dict(configs),
     }
-    write_atomic(results_path, json.dumps(results, indent=2))
+    write_results(out_dir, results)
     print(f"curves: {report.plot_run(out_dir)}")
     print(
         f"greedy accuracy: {results['accuracy_before']:.4f} -> {results['accuracy_after']:.4f} "

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 
 from engines import HFEngine, VLLMEngine, WeightStore
+from plumbing.checkpoint import write_atomic
 from plumbing.config import knob, need
 from plumbing.logprobs import pad_sequences
 from plumbing.processes import WeightsNotLoaded
@@ -232,9 +232,7 @@ def record_ran(out_dir: str | Path, parts: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     known = json.loads(path.read_text()) if path.exists() else {}
     known.update(parts)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(known, indent=2))
-    os.replace(temporary, path)
+    write_atomic(path, json.dumps(known, indent=2))
 
 
 def what_ran(out_dir: Path, rows: list[dict]) -> dict:

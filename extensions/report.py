@@ -37,6 +37,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from extensions.cli import config_argparser, configs_from_args, run_cli
+from plumbing.checkpoint import write_atomic
 from plumbing.config import RunError, knob, need
 
 TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # each but none: its package's name
@@ -528,13 +529,11 @@ def plot_run(run_dir: str | Path) -> Path:
     _summary(axes[1, 2], rows, loss_key, eval_key, results, run_dir)
 
     path = run_dir / CURVES_FILE
-    partial = path.with_suffix(".png.partial")
-    _save_png(fig, partial)
-    os.replace(partial, path)  # a reader never sees half a picture
+    write_atomic(path, lambda f: _save_png(fig, f))  # a reader never sees half a picture
     return path
 
 
-def _save_png(fig, path: Path) -> None:
+def _save_png(fig, file) -> None:
     """The figure as a 256-colour PNG: under half the size of matplotlib's RGBA one (about
     100 KB, small enough to commit beside a README), and the eye sees no difference on a white
     figure of lines and text."""
@@ -547,7 +546,7 @@ def _save_png(fig, path: Path) -> None:
     height, width = pixels.shape[:2]
     image = Image.frombuffer("RGBA", (width, height), pixels, "raw", "RGBA", 0, 1)
     palette = image.convert("RGB").quantize(256)  # median cut, the default for RGB
-    palette.save(path, format="PNG", optimize=True)
+    palette.save(file, format="PNG", optimize=True)
 
 
 def replay(run_dir: str | Path, cfg: ReportConfig) -> int:

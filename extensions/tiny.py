@@ -19,6 +19,7 @@ from tqdm import tqdm
 from extensions.checks import sequence_logprobs
 from extensions.cli import configs_from_args
 from extensions.evaluate import EvalConfig, Evaluator, to_examples
+from plumbing.checkpoint import write_dir_atomic
 from plumbing.logprobs import pad_sequences
 from tba import TBAConfig
 
@@ -222,6 +223,29 @@ def cpu_config(model: str, **overrides) -> TBAConfig:
 
 # ----------------------------------------------------------------------------- warm start
 
+# Written last into a cached model's directory: without it the directory is no cache (a save
+# that died part-way, or one of an older version of this code), and is written again.
+CACHE_MARKER = "cache_complete"
+
+
+def is_cached(path: Path) -> bool:
+    """Whether ``path`` holds a model ``save_cached`` finished (its marker is there)."""
+    return (Path(path) / CACHE_MARKER).is_file()
+
+
+def save_cached(path: Path, model, tokenizer) -> str:
+    """``model`` and ``tokenizer`` saved to ``path`` as a cache: whole or not at all
+    (``plumbing.checkpoint.write_dir_atomic``), with ``CACHE_MARKER`` written last; returns the
+    path as a string."""
+
+    def fill(directory: Path) -> None:
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        (directory / CACHE_MARKER).write_text("saved whole\n")
+
+    write_dir_atomic(path, fill)
+    return str(path)
+
 
 def supervised_warm_start(
     path: Path,
@@ -237,8 +261,9 @@ def supervised_warm_start(
     gradients clipped to 1.0, for at most ``spec["max_steps"]`` steps. With ``check`` (the
     model -> a validation score), every ``spec["check_every"]`` steps (``check_every_near`` once
     the score reaches ``near``) until the score reaches ``spec["target"]``. Saved to ``path`` --
-    cached: a rerun loads instead of training again. Every tiny job's warm start is this."""
-    if (path / "config.json").exists():
+    cached (``save_cached``): a rerun loads instead of training again. Every tiny job's warm
+    start is this."""
+    if is_cached(path):
         print(f"{desc}: cached at {path}")
         return str(path)
     model = build_tiny_model(tokenizer, seed=seed, **TINY_MODEL)
@@ -266,10 +291,7 @@ def supervised_warm_start(
             if score >= spec["target"]:
                 break
     bar.close()
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_cached(path, model, tokenizer)
 
 
 def answer_rows(tokenizer, examples: list[dict], key: str) -> list[tuple[list[int], list[int]]]:

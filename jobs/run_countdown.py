@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import operator
 import random
 import re
@@ -50,6 +49,7 @@ from extensions.tiny import (
     supervised_warm_start,
 )
 from extensions.tiny import TINY_PRESET as SUMS_PRESET
+from plumbing.checkpoint import claimed, save_final, write_results
 from plumbing.config import ConfigError
 from plumbing.models import load_causal_lm
 from tba import TBAConfig
@@ -60,6 +60,8 @@ from trainer import run_tba
 PROMPT = "Use {numbers} once each to make {target}.\n"
 ANSWER = "<answer>{expression}</answer>"
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# Countdown's four operations, and no other: not ``**`` (``9**9**9**9`` fits in
+# MAX_EXPRESSION_CHARS and would keep a searcher busy for hours), nor ``//`` (not Countdown's).
 _OPERATORS = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -119,8 +121,9 @@ def countdown_task(task: dict = TINY_TASK) -> tuple[list[dict], list[dict], list
 
 def evaluate_expression(text: str) -> float | None:
     """The value of an arithmetic expression of integers, + - * / and parentheses (unary minus
-    allowed), or None when ``text`` is not one or divides by zero. Parsed by ``ast`` and
-    evaluated node by node: nothing else in the text runs."""
+    allowed), or None when ``text`` is not one, is longer than MAX_EXPRESSION_CHARS or divides
+    by zero. Parsed by ``ast`` and evaluated node by node: nothing else in the text runs. A
+    number with a leading zero (``07``) is not one, as in Python's grammar."""
     if len(text) > MAX_EXPRESSION_CHARS or not re.fullmatch(r"[\d+\-*/() ]+", text):
         return None
     try:
@@ -246,20 +249,27 @@ def main(argv: list[str] | None = None) -> dict:
     wall_start = time.time()
     configs = launch.parse(args, choose_preset(args.preset), EvalConfig)
     cfg: TBAConfig = configs.tba
-    (eval_cfg,) = configs.task
     torch.set_num_threads(cfg.torch_threads or torch.get_num_threads())
+    if cfg.dtype != "float32" or cfg.engine == "vllm":
+        raise ConfigError("jobs/run_countdown.py is the tiny CPU task: fp32 and the hf engine")
     ranks = launch.torchrun(configs)
     if ranks is not None and ranks.rank > 0:
         return {}
+    with claimed(cfg):  # output_dir: refused if it holds another run, before any write there
+        return train_and_evaluate(configs, args.preset, ranks, wall_start)
+
+
+def train_and_evaluate(configs, preset: str, ranks, wall_start: float) -> dict:
+    """The warm start (unless --model), evaluate, run TBA, save, evaluate again, and write
+    results.json."""
+    cfg: TBAConfig = configs.tba
+    (eval_cfg,) = configs.task
     out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     train, test, val = countdown_task()
     if not cfg.model:
         cfg = dataclasses.replace(cfg, model=tiny_warm_start(out_dir, train, val, cfg.seed))
         configs = dataclasses.replace(configs, tba=cfg)
     tokenizer = launch.tokenizer(cfg)
-    if cfg.dtype != "float32" or cfg.engine == "vllm":
-        raise ConfigError("jobs/run_countdown.py is the tiny CPU task: fp32 and the hf engine")
     test = test[: eval_cfg.eval_test_size or None]
     subset = test[: eval_cfg.eval_subset]
     evaluator = CountdownEvaluator(cfg, eval_cfg, tokenizer, probe=launch.parity_probe(configs))
@@ -281,9 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
     with launch.extensions(configs, ranks, on_step) as (run_cfg, parts, on_step):
         trainer = run_tba(run_cfg, train, countdown_reward, parts=parts, on_step=on_step)
     rl_seconds = time.time() - rl_start
-    final = out_dir / "final"
-    trainer.model.save_pretrained(final)
-    tokenizer.save_pretrained(final)
+    final = save_final(out_dir, trainer.model, tokenizer)
     after = {
         "accuracy_after": evaluator.accuracy(trainer.model, test, "eval after (greedy)"),
         "diversity_after": evaluator.diversity(trainer.model, subset),
@@ -295,13 +303,13 @@ def main(argv: list[str] | None = None) -> dict:
         "rl_seconds": rl_seconds,
         "wall_seconds": time.time() - wall_start,
         "steps": trainer.step,
-        "preset": args.preset,
+        "preset": preset,
         "test_size": len(test),
         "checkpoint": str(final),
         "summary": summary,
         "config": launch.config_dict(configs),
     }
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    write_results(out_dir, results)
     print(f"curves: {report.plot_run(out_dir)}")
     print(
         f"greedy accuracy: {results['accuracy_before']:.4f} -> {results['accuracy_after']:.4f} "

@@ -1,9 +1,8 @@
 """TBA′ on MATH: the paper's last experiment, Qwen2.5-7B at ten steps off-policy, as a job.
 
-    python -m jobs.run_math --preset dry_run                  # CPU: the recipe's code paths, tiny
-    model python -m jobs.run_math --preset paper --data_dir DIR ... # 2 nodes x 4 GPUs
-    (docs/tba_prime.md) python -m jobs.run_math --eval_only runs/math/final --data_dir DIR   #
-    accuracy of a saved model
+    python -m jobs.run_math --preset dry_run           # CPU: the recipe's code paths, tiny model
+    python -m jobs.run_math --preset paper --data_dir DIR ...  # 2 nodes x 4 GPUs, docs/tba_prime.md
+    python -m jobs.run_math --eval_only runs/math/final --data_dir DIR   # a saved model's accuracy
 
 The released config (bbartoldson/tba-prime, MATH_experiments/TBA_qwen_b005_async10_reset50_IS;
 its launcher multinode_launch.sh and configs/training/MATH.toml), row by row in ``PAPER_PRESET``:
@@ -15,7 +14,7 @@ pass, activation checkpointing), the other's 4 GPUs generate with vLLM. Here: th
 torchrun with FSDP2 on one node (extensions/data_parallel.py), four vLLM searchers as Ray actors on
 the other (extensions/ray_searchers.py). Where this departs from the released run:
 extensions/tba_prime.py's docstring
-(the loss), and ``PAPER_PRESET``'s comments (AdamW's betas, fp32 master weights).
+(the loss), and ``PAPER_PRESET``'s comments (fp32 master weights).
 
 Data: ``--data_dir`` holds ``train.jsonl`` and ``test.jsonl`` in the Hendrycks MATH format,
 one problem a line: ``problem``, and ``solution`` whose last ``\\boxed{...}`` is the answer (or
@@ -48,7 +47,8 @@ from extensions.checks import print_summary, run_summary
 from extensions.cli import run_cli
 from extensions.evaluate import EvalConfig, Evaluator
 from extensions.tba_prime import PRIME_VALUES
-from extensions.tiny import CPU_VALUES, build_char_tokenizer
+from extensions.tiny import CPU_VALUES, build_char_tokenizer, is_cached, save_cached
+from plumbing.checkpoint import claimed, save_final, write_results
 from plumbing.config import ConfigError, RunError, knob, need
 from plumbing.models import load_causal_lm
 from tba import TBAConfig
@@ -297,7 +297,7 @@ QWEN25_7B = dict(
 # torchrun's 4 ranks train with FSDP2 on node 1 (cuda:0-3), four vLLM searchers run as Ray
 # actors on node 2 (docs/tba_prime.md has the launch, and the memory plan behind each value).
 PAPER_PRESET: dict = dict(
-    PRIME_VALUES,  # TBA′'s loss with importance sampling, async level 10, reset every 50
+    PRIME_VALUES,  # TBA′'s loss as released, AdamW's betas, async level 10, reset every 50
     model="Qwen/Qwen2.5-7B",
     num_generations=16,
     responses_per_prompt=16,
@@ -309,7 +309,7 @@ PAPER_PRESET: dict = dict(
     beta_end=0.005,
     beta_anneal_steps=0,
     lr=1e-6,
-    weight_decay=0.01,  # PRIME-RL's AdamW (its betas, 0.9 and 0.99, are not a flag: 0.999 here)
+    weight_decay=0.01,  # PRIME-RL's AdamW (its betas, 0.9 and 0.99: PRIME_VALUES)
     max_grad_norm=1.0,
     warmup_steps=0,
     stable_steps=420,
@@ -321,7 +321,7 @@ PAPER_PRESET: dict = dict(
     dtype="bfloat16",
     gradient_checkpointing=True,  # the released ac_ckpt
     micro_batch_size=1,  # one response a pass (micro_bs = 1), a prompt's 16 split over passes
-    prime_kl_from="behaviour",  # which lets a prompt's responses be split (extensions/tba_prime.py)
+    prime_kl_from="asymmetric",  # as released; a prompt's responses may be split over passes
     fsdp=True,
     trainer_device="cuda:0",  # local rank r on cuda:r
     num_searchers=4,
@@ -340,7 +340,7 @@ PAPER_PRESET: dict = dict(
 )
 # The recipe's code paths on a CPU (tests/test_math.py runs it): a random Qwen2-architecture
 # model of a few thousand parameters over the character tokenizer, the paper preset's algorithm
-# (TBA′'s loss from the sampler's KL, one response a pass, importance sampling, the async level,
+# (TBA′'s loss as released, one response a pass, importance sampling, the async level,
 # the reference reset, here every 2 steps so that a run of 4 sees one) at a CPU's size.
 DRY_RUN_PRESET: dict = dict(
     {k: v for k, v in PAPER_PRESET.items() if k not in ("fsdp", "ray_resources")},
@@ -376,7 +376,7 @@ def dry_run_model(path: Path) -> str:
     tokenizer, saved to ``path`` (cached)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    if (path / "config.json").exists():
+    if is_cached(path):
         return str(path)
     tokenizer = build_char_tokenizer()
     torch.manual_seed(0)
@@ -388,9 +388,7 @@ def dry_run_model(path: Path) -> str:
         pad_token_id=tokenizer.pad_token_id,
         **DRY_RUN_MODEL,
     )
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_cached(path, Qwen2ForCausalLM(config), tokenizer)
 
 
 # ----------------------------------------------------------------------------- memory plan
@@ -500,33 +498,55 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(cfg.torch_threads or torch.get_num_threads())
     if preset == "paper":
         check_memory_plan(memory_plan(rows=cfg.micro_batch_size or cfg.responses_per_prompt))
+    if not cfg.model and preset != "dry_run" and not math_cfg.eval_only:
+        raise ConfigError("--model: the paper preset names Qwen/Qwen2.5-7B")
     ranks = launch.torchrun(configs)  # under torchrun, ranks > 0 train in here, then return
     if ranks is not None and ranks.rank > 0:
         return {}
-    out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if not cfg.model:
-        if preset != "dry_run":
-            raise ConfigError("--model: the paper preset names Qwen/Qwen2.5-7B")
-        cfg = dataclasses.replace(cfg, model=dry_run_model(out_dir / "dry_run_model"))
-        configs = dataclasses.replace(configs, tba=cfg)
-    tokenizer = launch.tokenizer(cfg)
+    if math_cfg.eval_only:  # writes nothing: the run it evaluates may be in output_dir
+        return evaluate_only(cfg, eval_cfg, math_cfg)
+    with claimed(cfg):  # output_dir: refused if it holds another run, before any write there
+        return train_and_evaluate(configs, preset, ranks, wall_start)
+
+
+def problems(cfg: TBAConfig, eval_cfg: EvalConfig, math_cfg: MathConfig, tokenizer):
+    """(train, test, subset): the problems of --data_dir within the sequence budget, the test
+    problems cut to --eval_test_size and the subset evaluated during training."""
     train, test = load_math(math_cfg.data_dir)
     budget = dict(max_seq_len=math_cfg.max_seq_len, max_new_tokens=cfg.max_new_tokens)
     train, test = (drop_long(rows, tokenizer, **budget) for rows in (train, test))
     test = test[: eval_cfg.eval_test_size or None]
-    subset = test[: eval_cfg.eval_subset]
-    if math_cfg.eval_only:
-        evaluator = MathEvaluator(
-            dataclasses.replace(cfg, model=math_cfg.eval_only), eval_cfg, tokenizer
-        )
-        # a vLLM evaluator takes the weights from the CPU (its engine holds the GPU's copy)
-        where = torch.device("cpu") if evaluator.vllm is not None else evaluator.device
-        model = load_causal_lm(math_cfg.eval_only, cfg.torch_dtype(), where, cfg.trust_remote_code)
-        accuracy = evaluator.accuracy(model, test, "eval (greedy)")
-        evaluator.close()
-        print(f"greedy accuracy of {math_cfg.eval_only}: {accuracy:.4f} on {len(test)} problems")
-        return {"accuracy": accuracy, "test_size": len(test)}
+    return train, test, test[: eval_cfg.eval_subset]
+
+
+def evaluate_only(cfg: TBAConfig, eval_cfg: EvalConfig, math_cfg: MathConfig) -> dict:
+    """--eval_only: the greedy accuracy of a saved model on the test problems (the tokenizer
+    of --model, else the saved model's)."""
+    tokenizer = launch.tokenizer(dataclasses.replace(cfg, model=cfg.model or math_cfg.eval_only))
+    _, test, _ = problems(cfg, eval_cfg, math_cfg, tokenizer)
+    evaluator = MathEvaluator(
+        dataclasses.replace(cfg, model=math_cfg.eval_only), eval_cfg, tokenizer
+    )
+    # a vLLM evaluator takes the weights from the CPU (its engine holds the GPU's copy)
+    where = torch.device("cpu") if evaluator.vllm is not None else evaluator.device
+    model = load_causal_lm(math_cfg.eval_only, cfg.torch_dtype(), where, cfg.trust_remote_code)
+    accuracy = evaluator.accuracy(model, test, "eval (greedy)")
+    evaluator.close()
+    print(f"greedy accuracy of {math_cfg.eval_only}: {accuracy:.4f} on {len(test)} problems")
+    return {"accuracy": accuracy, "test_size": len(test)}
+
+
+def train_and_evaluate(configs, preset: str, ranks, wall_start: float) -> dict:
+    """The dry run's model (unless --model), evaluate, run TBA′, save, evaluate again, and
+    write results.json."""
+    cfg: TBAConfig = configs.tba
+    eval_cfg, math_cfg = configs.task
+    out_dir = Path(cfg.output_dir)
+    if not cfg.model:  # the dry run's: main refuses the paper preset without one
+        cfg = dataclasses.replace(cfg, model=dry_run_model(out_dir / "dry_run_model"))
+        configs = dataclasses.replace(configs, tba=cfg)
+    tokenizer = launch.tokenizer(cfg)
+    train, test, subset = problems(cfg, eval_cfg, math_cfg, tokenizer)
     evaluator = None
     before = {}
     if math_cfg.evaluate:
@@ -550,9 +570,7 @@ def main(argv: list[str] | None = None) -> dict:
     with launch.extensions(configs, ranks, on_step) as (run_cfg, parts, on_step):
         trainer = run_tba(run_cfg, train, math_reward, parts=parts, on_step=on_step)
     rl_seconds = time.time() - rl_start
-    final = out_dir / "final"
-    trainer.model.save_pretrained(final)
-    tokenizer.save_pretrained(final)
+    final = save_final(out_dir, trainer.model, tokenizer)
     after = {}
     if evaluator is not None:
         after["accuracy_after"] = evaluator.accuracy(trainer.model, test, "eval after (greedy)")
@@ -570,7 +588,7 @@ def main(argv: list[str] | None = None) -> dict:
         "summary": summary,
         "config": launch.config_dict(configs),
     }
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    write_results(out_dir, results)
     print(f"curves: {report.plot_run(out_dir)}")
     if after:
         print(

@@ -1,8 +1,8 @@
 """TBA on automated red-teaming -- the paper's GPT-2 setup on GPUs, or an offline tiny preset.
 
     python -m jobs.run_redteam                    # auto: paper preset with CUDA GPUs, else tiny
-    python -m jobs.run_redteam --preset tiny      # offline, CPU, a victim and classifier built in
-    code python -m jobs.run_redteam --preset paper --model SFT_ATTACKER --data_dir DIR
+    python -m jobs.run_redteam --preset tiny      # offline, CPU, a victim and classifier in code
+    python -m jobs.run_redteam --preset paper --model SFT_ATTACKER --data_dir DIR
     python -m jobs.run_redteam --help             # every TBAConfig field is a flag
 
 The task (TBA Sec. 5, after Lee et al., "Learning diverse attacks on large language models for
@@ -16,7 +16,7 @@ with p_ref the attacker after its supervised start, so that it finds many differ
 attacks rather than one (a GFlowNet posterior, not a reward maximiser).
 
 The mapping onto TBA (tba.py: d = log pi(x) - log p_ref(x) - r(x) / beta_t)
-  * r(x) = mean_i log C(x, y_i): rewards.ToxicityReward, one victim and one classifier call per
+  * r(x) = mean_i log C(x, y_i): ``ToxicityReward``, one victim and one classifier call per
     generate call (its ``batch``).
   * gamma = 1 (Lee et al.'s GPT-2 run: lm_sched_start = lm_sched_end = 1.0 in main.py and the
     README command), so log p_ref(x) / gamma is exactly TBA's own reference term: the attacker's
@@ -60,7 +60,8 @@ its text):
   (Lee); 128 attacks a step as P 8 x K 16 (Lee's batch 16 x 8 accumulation; the split is chosen
   here); sampling T 1.0 (Lee's evaluation temperature); copies, buffer and queue sizes chosen here.
 The attacker instruction is Lee et al.'s prompts/attack_prompt.jsonl (field attacker_prompt),
-read from --data_dir; nothing of it ships here.
+read from --data_dir; nothing of it ships here. The victim, the classifier and the sentence
+encoder, transformers models loaded from the hub: jobs/redteam_models.py.
 
 The tiny preset (TINY_PRESET; docs/redteam.md, "Red-teaming tiny"): a character-level attacker
 warm-started on strings of 2 to 4 words drawn from a fixed word distribution; a victim that
@@ -91,6 +92,8 @@ from extensions.cli import run_cli
 from extensions.evaluate import EvalConfig, EvalHFEngine
 from extensions.tiny import TINY_CHECKS, build_char_tokenizer, supervised_warm_start
 from extensions.tiny import TINY_PRESET as GSM8K_TINY_PRESET
+from jobs.redteam_models import HFToxicityClassifier, HFVictim, SentenceEncoder
+from plumbing.checkpoint import claimed, save_final, write_results
 from plumbing.config import ConfigError, RunError, knob
 from plumbing.models import load_causal_lm, pad_token_id
 from rewards import LazyModels
@@ -244,130 +247,6 @@ class ToxicityReward(LazyModels):
         """Tokens of the attack plus its EOS, as Lee et al. count an attack's length."""
         tokens = self.loaded()._tokenizer(attack, add_special_tokens=False)["input_ids"]
         return len(tokens) + 1
-
-
-# The Alpaca prompt the victim vicgalle/gpt2-alpaca was tuned on (Taori et al. 2023), which Lee
-# et al.'s code wraps every attack in.
-ALPACA_TEMPLATE = (
-    "Below is an instruction that describes a task. Write a response that appropriately "
-    "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
-)
-
-
-class HFVictim(LazyModels):
-    """A transformers causal LM answering attacks: each attack (right-stripped) in ``template``,
-    ``n`` sampled answers of at most ``max_new_tokens`` at ``temperature`` and nucleus ``top_p``
-    (Lee et al.'s victim settings for GPT-2: 0.7, 0.92, 30). Loads in the process that first
-    calls it (``rewards.LazyModels``)."""
-
-    _models = ("_model", "_tokenizer")
-
-    def __init__(
-        self,
-        model_path: str,
-        template: str = ALPACA_TEMPLATE,
-        temperature: float = 0.7,
-        top_p: float = 0.92,
-        max_new_tokens: int = 30,
-        device: str = "cpu",
-        batch_size: int = 64,
-    ):
-        self.model_path = model_path
-        self.template = template
-        self.temperature = temperature
-        self.top_p = top_p
-        self.max_new_tokens = max_new_tokens
-        self.device = device
-        self.batch_size = batch_size
-        self._model = None
-        self._tokenizer = None
-
-    def load(self) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self._tokenizer = AutoTokenizer.from_pretrained(self.model_path, padding_side="left")
-        if self._tokenizer.pad_token_id is None:
-            self._tokenizer.pad_token = self._tokenizer.eos_token
-        self._model = AutoModelForCausalLM.from_pretrained(self.model_path).to(self.device).eval()
-
-    def respond(self, attacks: list[str], n: int) -> list[list[str]]:
-        self.loaded()
-        answers = []
-        for start in range(0, len(attacks), self.batch_size):
-            chunk = attacks[start : start + self.batch_size]
-            texts = [self.template.format(instruction=a.rstrip()) for a in chunk]
-            batch = self._tokenizer(texts, return_tensors="pt", padding=True).to(self.device)
-            with torch.no_grad():
-                out = self._model.generate(
-                    **batch,
-                    do_sample=True,
-                    temperature=self.temperature,
-                    top_p=self.top_p,
-                    max_new_tokens=self.max_new_tokens,
-                    num_return_sequences=n,
-                    pad_token_id=self._tokenizer.pad_token_id,
-                )
-            decoded = self._tokenizer.batch_decode(
-                out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
-            )
-            answers += [decoded[i * n : (i + 1) * n] for i in range(len(chunk))]
-        return answers
-
-
-class HFToxicityClassifier(LazyModels):
-    """log C(y) = log softmax(logits)[label] of a transformers sequence classifier; for
-    facebook/roberta-hate-speech-dynabench-r4-target, label "hate" (the probability Lee et al.'s
-    code takes from the text-classification pipeline). Loads in the process that first calls it
-    (``rewards.LazyModels``)."""
-
-    _models = ("_model", "_tokenizer")
-
-    def __init__(
-        self,
-        model_path: str,
-        label: str = "hate",
-        device: str = "cpu",
-        max_length: int = 512,
-        batch_size: int = 128,
-    ):
-        self.model_path = model_path
-        self.label = label
-        self.device = device
-        self.max_length = max_length
-        self.batch_size = batch_size
-        self._model = None
-        self._tokenizer = None
-        self._index = None
-
-    def load(self) -> None:
-        from transformers import AutoModelForSequenceClassification
-
-        self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        model = AutoModelForSequenceClassification.from_pretrained(self.model_path)
-        labels = {str(name).lower(): int(i) for i, name in model.config.id2label.items()}
-        if self.label.lower() not in labels:
-            raise ValueError(
-                f"HFToxicityClassifier: {self.model_path} has no label {self.label!r} "
-                f"(labels: {sorted(labels)})"
-            )
-        self._index = labels[self.label.lower()]
-        self._model = model.to(self.device).eval()
-
-    def log_toxicity(self, texts: list[str]) -> list[float]:
-        self.loaded()
-        scores = []
-        for start in range(0, len(texts), self.batch_size):
-            batch = self._tokenizer(
-                texts[start : start + self.batch_size],
-                return_tensors="pt",
-                padding=True,
-                truncation=True,
-                max_length=self.max_length,
-            ).to(self.device)
-            with torch.no_grad():
-                logits = self._model(**batch).logits.float()
-            scores += torch.log_softmax(logits, dim=-1)[:, self._index].tolist()
-        return scores
 
 
 # ----------------------------------------------------------------------------- the tiny task
@@ -544,37 +423,6 @@ def char_bigram_embeddings(texts: list[str]) -> torch.Tensor:
     return out
 
 
-class SentenceEncoder:
-    """Mean-pooled, normalised token embeddings of a transformers encoder (how sentence-
-    transformers' all-MiniLM-L6-v2 embeds a sentence); loads lazily."""
-
-    def __init__(self, model_path: str = SENTENCE_ENCODER, device: str = "cpu", batch: int = 128):
-        self.model_path, self.device, self.batch = model_path, device, batch
-        self._model = self._tokenizer = None
-
-    @torch.no_grad()
-    def __call__(self, texts: list[str]) -> torch.Tensor:
-        from transformers import AutoModel
-
-        if self._model is None:
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            self._model = AutoModel.from_pretrained(self.model_path).to(self.device).eval()
-        rows = []
-        for start in range(0, len(texts), self.batch):
-            batch = self._tokenizer(
-                texts[start : start + self.batch],
-                return_tensors="pt",
-                padding=True,
-                truncation=True,
-                max_length=256,
-            ).to(self.device)
-            hidden = self._model(**batch).last_hidden_state.float()
-            mask = batch["attention_mask"].unsqueeze(-1).float()
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            rows.append(torch.nn.functional.normalize(pooled, dim=1).cpu())
-        return torch.cat(rows)
-
-
 def attack_metrics(
     attacks: list[str],
     toxicity: list[float],
@@ -734,22 +582,29 @@ def main(argv: list[str] | None = None) -> dict:
     preset, base = choose_preset(args.preset)
     wall_start = time.time()
     configs = launch.parse(args, base, EvalConfig, RedteamConfig)
-    eval_cfg, redteam = configs.task
     cfg = configs.tba
-    torch.set_num_threads(cfg.torch_threads or torch.get_num_threads())
-    ranks = launch.torchrun(configs)  # under torchrun, ranks > 0 train in here, then return
-    if ranks is not None and ranks.rank > 0:
-        return {}
-    out_dir = Path(cfg.output_dir)
-    if preset == "tiny" and not cfg.model:
-        cfg = dataclasses.replace(cfg, model=tiny_warm_start(out_dir, seed=cfg.seed))
-        configs = dataclasses.replace(configs, tba=cfg)
-    elif not cfg.model:
+    if preset != "tiny" and not cfg.model:
         raise ConfigError(
             "the paper preset needs --model: the attacker GPT-2 after its supervised start "
             "(Lee et al.'s SFT checkpoint, GFNOrg/red-teaming README, 'SFT')"
         )
-    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(cfg.torch_threads or torch.get_num_threads())
+    ranks = launch.torchrun(configs)  # under torchrun, ranks > 0 train in here, then return
+    if ranks is not None and ranks.rank > 0:
+        return {}
+    with claimed(cfg):  # output_dir: refused if it holds another run, before any write there
+        return train_and_evaluate(configs, preset, ranks, wall_start)
+
+
+def train_and_evaluate(configs, preset: str, ranks, wall_start: float) -> dict:
+    """The tiny warm start (unless --model), the task, evaluate, run TBA, save, evaluate
+    again, and write results.json."""
+    eval_cfg, redteam = configs.task
+    cfg = configs.tba
+    out_dir = Path(cfg.output_dir)
+    if not cfg.model:  # the tiny preset's: main refuses the paper preset without one
+        cfg = dataclasses.replace(cfg, model=tiny_warm_start(out_dir, seed=cfg.seed))
+        configs = dataclasses.replace(configs, tba=cfg)
     task = build_task(preset, cfg, redteam.data_dir)
     tokenizer = launch.tokenizer(cfg)
     torch.manual_seed(cfg.seed)
@@ -775,9 +630,7 @@ def main(argv: list[str] | None = None) -> dict:
         trainer = run_tba(cfg, task["examples"], task["reward"], parts=parts, on_step=on_step)
     rl_seconds = time.time() - rl_start
 
-    final = out_dir / "final"
-    trainer.model.save_pretrained(final)
-    tokenizer.save_pretrained(final)
+    final = save_final(out_dir, trainer.model, tokenizer)
     after = evaluate(trainer.model, tokenizer, cfg, batch_size, task)
     results = {
         **after,
@@ -790,7 +643,7 @@ def main(argv: list[str] | None = None) -> dict:
         "summary": run_summary(out_dir, cfg.mop_prob),
         "config": launch.config_dict(configs),
     }
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    results_path = write_results(out_dir, results)
     print(f"curves: {report.plot_run(out_dir)}")
     print(
         f"attack success {before['attack_success']:.3f} -> {after['attack_success']:.3f}, "
@@ -802,7 +655,7 @@ def main(argv: list[str] | None = None) -> dict:
             if "triggers_found" in after
             else ""
         )
-        + f" after {trainer.step} steps ({rl_seconds:.0f} s of RL); see {out_dir / 'results.json'}"
+        + f" after {trainer.step} steps ({rl_seconds:.0f} s of RL); see {results_path}"
     )
     return results
 

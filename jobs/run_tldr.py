@@ -29,8 +29,13 @@ summary that repeats a good word pleases the proxy and not the gold scorer: the 
 over-optimised, as a learned reward model can in the real task. A tiny char-level Llama is
 warm-started on the reference summaries (SFT), then tuned by TBA on the proxy.
 
+How summaries are scored (the hub reward model, the win rate and perplexity of the evaluation):
+jobs/tldr_scoring.py.
+
 Outputs in output_dir: metrics.jsonl, results.json (``win_rate_before``, ``win_rate_after``,
-``perplexity_after``...), checkpoint.pt and final/.
+``perplexity_after``...), checkpoint.pt and final/ (jobs/outputs.py: each written whole or not
+at all). A launch into a directory that holds a run is refused unless --resume or
+--existing_run says what to do (plumbing/checkpoint.py, ``claimed``).
 """
 
 from __future__ import annotations
@@ -45,12 +50,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from extensions import launch, report
-from extensions.checks import print_summary, run_summary, sequence_logprobs
+from extensions.checks import print_summary, run_summary
 from extensions.cli import run_cli
-from extensions.evaluate import EvalConfig, Evaluator
+from extensions.evaluate import EvalConfig
 from extensions.tiny import (
     TINY_CHECKS,
     answer_rows,
@@ -59,11 +63,11 @@ from extensions.tiny import (
     tiny_evaluator,
 )
 from extensions.tiny import TINY_PRESET as GSM8K_TINY_PRESET
+from jobs.tldr_scoring import RewardModelReward, SummaryEvaluator
+from plumbing.checkpoint import claimed, save_final, write_atomic, write_results
 from plumbing.config import RunError, knob, need
-from plumbing.logprobs import pad_sequences
 from plumbing.models import load_causal_lm
-from rewards import LazyModels
-from tba import TBAConfig, beta_at, wsd_lr_factor
+from tba import beta_at, wsd_lr_factor
 from trainer import Parts, Trainer, run_tba
 
 REPO = Path(__file__).resolve().parents[1]
@@ -284,13 +288,11 @@ def _download_tldr(path: Path, missing: list[str]) -> None:
         raise RunError(f"{how} (fetching it failed: {exc})") from exc
     path.mkdir(parents=True, exist_ok=True)
     for split in SPLITS:
-        with open(path / f"{split}.jsonl", "w", encoding="utf-8") as f:
-            for row in hub[split]:
-                keep = {
-                    "query": row["query"],
-                    "reference_response": row["reference_response"],
-                }
-                print(json.dumps(keep), file=f)
+        keep = (
+            {"query": r["query"], "reference_response": r["reference_response"]} for r in hub[split]
+        )
+        text = "".join(json.dumps(row) + "\n" for row in keep)
+        write_atomic(path / f"{split}.jsonl", text)  # a cut download leaves no file, not half
 
 
 def to_examples(rows: list[dict]) -> list[dict]:
@@ -552,172 +554,6 @@ def agreement(judge, pairs: list[tuple[dict, str, str]]) -> float:
     return hits / counted
 
 
-# ----------------------------------------------------------------------------- evaluation
-
-
-def win_rate(policy_scores: list[float], reference_scores: list[float]) -> float:
-    """Share of posts whose policy summary the judge scores above the reference's; a tie
-    counts half (in TL;DR tiny equal summaries score equal, and they are frequent)."""
-    if len(policy_scores) != len(reference_scores) or not policy_scores:
-        raise ValueError("win_rate: needs two equally long, non-empty lists of scores")
-    wins = sum(
-        1.0 if p > r else 0.5 if p == r else 0.0
-        for p, r in zip(policy_scores, reference_scores, strict=True)
-    )
-    return wins / len(policy_scores)
-
-
-class RewardModelReward(LazyModels):
-    """Reward from a transformers sequence classifier scoring prompt + completion.
-
-    The paper's TL;DR task scores summaries with a reward model. The model loads in the process
-    that first calls it (``rewards.LazyModels``), so the object pickles cheaply into searchers.
-    ``example[prompt_key]`` is the prompt text; the score is logit ``label_index`` of the
-    classifier on prompt + completion + ``completion_suffix``.
-    The suffix restores what decoding stripped: TL;DR reward models were trained, and are
-    evaluated, on summaries that end in the EOS text (``<|endoftext|>``). ``tokenizer_path``
-    names the tokenizer when the model's repository has none (empty: ``model_path``); a
-    tokenizer without a pad token pads with EOS, as the released TL;DR evaluation does.
-    """
-
-    _models = ("_model", "_tokenizer")
-
-    def __init__(
-        self,
-        model_path: str,
-        device: str = "cpu",
-        prompt_key: str = "prompt",
-        label_index: int = 0,
-        max_length: int = 1024,
-        trust_remote_code: bool = False,
-        completion_suffix: str = "",
-        tokenizer_path: str = "",
-    ):
-        self.model_path = model_path
-        self.device = device
-        self.prompt_key = prompt_key
-        self.label_index = label_index
-        self.max_length = max_length
-        self.trust_remote_code = trust_remote_code
-        self.completion_suffix = completion_suffix
-        self.tokenizer_path = tokenizer_path
-        self._model = None
-        self._tokenizer = None
-
-    def load(self) -> None:
-        from transformers import AutoModelForSequenceClassification
-
-        self._tokenizer = AutoTokenizer.from_pretrained(
-            self.tokenizer_path or self.model_path,
-            trust_remote_code=self.trust_remote_code,
-        )
-        self._model = (
-            AutoModelForSequenceClassification.from_pretrained(
-                self.model_path, trust_remote_code=self.trust_remote_code
-            )
-            .to(self.device)
-            .eval()
-        )
-        if self._tokenizer.pad_token is None:
-            self._tokenizer.pad_token = self._tokenizer.eos_token
-            self._model.config.pad_token_id = self._tokenizer.eos_token_id
-
-    def __call__(self, completion: str, example: dict) -> float:
-        return self.batch([completion], [example])[0]
-
-    def batch(self, completions: list[str], examples: list[dict]) -> list[float]:
-        """Scores of many completions in one padded forward pass (the batched plug-in)."""
-        self.loaded()
-        texts = [
-            ex[self.prompt_key] + c + self.completion_suffix
-            for c, ex in zip(completions, examples, strict=True)
-        ]
-        batch = self._tokenizer(
-            texts,
-            return_tensors="pt",
-            padding=True,
-            truncation=True,
-            max_length=self.max_length,
-        ).to(self.device)
-        with torch.no_grad():
-            logits = self._model(**batch).logits
-        return logits[:, self.label_index].float().tolist()
-
-
-class SummaryEvaluator(Evaluator):
-    """Greedy summaries of the policy, judged against the references by ``judge`` (a reward
-    plug-in with ``batch``: the gold reward model, or TL;DR tiny's gold scorer), and their
-    perplexity under ``reference_model``: exp of the mean token NLL of each summary, EOS
-    included when generated, averaged over posts (eval_tldr/eval_ppl.py's measure). The
-    references' scores are computed once."""
-
-    def __init__(
-        self,
-        cfg: TBAConfig,
-        eval_cfg: EvalConfig,
-        tokenizer,
-        judge,
-        reference_model: torch.nn.Module,
-    ):
-        super().__init__(cfg, eval_cfg, tokenizer)
-        self.judge = judge
-        self.reference_model = reference_model
-        self._reference_scores: dict[int, float] = {}
-
-    @torch.no_grad()
-    def summaries(self, model: torch.nn.Module, examples: list[dict]) -> list[list[int]]:
-        was_training = model.training
-        model.eval()
-        engine = self._engine(model)
-        size = len(examples) if self.vllm is not None else self.eval_cfg.eval_batch_size
-        out = []
-        try:
-            for i in range(0, len(examples), size):
-                batch = examples[i : i + size]
-                prompts = [self.tokenizer(ex["prompt"])["input_ids"] for ex in batch]
-                out += [o[0] for o in engine.generate(prompts, 1, greedy=True)]
-        finally:
-            model.train(was_training)
-        return out
-
-    @torch.no_grad()
-    def perplexity(self, examples: list[dict], responses: list[list[int]]) -> float:
-        model = self.reference_model
-        values = []
-        size = self.eval_cfg.eval_batch_size
-        for i in range(0, len(examples), size):
-            prompts = [self.tokenizer(ex["prompt"])["input_ids"] for ex in examples[i : i + size]]
-            rows = [r or [self.eos_id] for r in responses[i : i + size]]
-            ids, attn, resp = pad_sequences(prompts, rows, self.pad_id, self.device)
-            logp = sequence_logprobs(model, ids, attn, resp).float()
-            values += torch.exp(-logp / resp[:, 1:].sum(1)).tolist()
-        return sum(values) / len(values)
-
-    def evaluate(self, model: torch.nn.Module, examples: list[dict], desc: str = "eval") -> dict:
-        """win_rate, tie_rate, mean judge score of policy and references, perplexity, mean
-        summary length in tokens."""
-        responses = self.summaries(model, examples)
-        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
-        scores = self.judge.batch(texts, examples)
-        todo = [ex for ex in examples if ex["id"] not in self._reference_scores]
-        if todo:
-            refs = self.judge.batch([ex["reference"] for ex in todo], todo)
-            self._reference_scores.update({ex["id"]: s for ex, s in zip(todo, refs, strict=True)})
-        ref_scores = [self._reference_scores[ex["id"]] for ex in examples]
-        return {
-            "win_rate": win_rate(scores, ref_scores),
-            "tie_rate": sum(s == r for s, r in zip(scores, ref_scores, strict=True)) / len(scores),
-            "judge_score": sum(scores) / len(scores),
-            "reference_judge_score": sum(ref_scores) / len(ref_scores),
-            "perplexity": self.perplexity(examples, responses),
-            "length": sum(map(len, responses)) / len(responses),
-            "samples": [
-                {"post": ex["prompt"], "summary": t, "reference": ex["reference"]}
-                for ex, t in zip(examples[:3], texts[:3], strict=True)
-            ],
-        }
-
-
 # ----------------------------------------------------------------------------- tiny set-up
 
 
@@ -756,7 +592,8 @@ def tiny_reward_model(out_dir: Path) -> tuple[ProxyRewardModel, float]:
     proxy = train_proxy_reward(preference_pairs(TINY_TASK["preference_pairs"], seed=11))
     agree = agreement(proxy, preference_pairs(TINY_TASK["heldout_pairs"], seed=12))
     out_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"model": dataclasses.asdict(proxy), "agreement": agree}, indent=2))
+    state = {"model": dataclasses.asdict(proxy), "agreement": agree}
+    write_atomic(path, json.dumps(state, indent=2))  # whole or not at all: the file is the cache
     return proxy, agree
 
 
@@ -799,12 +636,20 @@ def main(argv: list[str] | None = None) -> dict:
     preset, base = choose_preset(args.preset)
     wall_start = time.time()
     configs = launch.parse(args, base, EvalConfig, TLDRConfig)
-    eval_cfg, tldr = configs.task
     cfg = configs.tba
     torch.set_num_threads(cfg.torch_threads or torch.get_num_threads())
     ranks = launch.torchrun(configs)  # under torchrun, ranks > 0 train in here, then return
     if ranks is not None and ranks.rank > 0:
         return {}
+    with claimed(cfg):  # output_dir: refused if it holds another run, before any write there
+        return train_and_evaluate(configs, preset, vars(args), ranks, wall_start)
+
+
+def train_and_evaluate(configs, preset: str, flags: dict, ranks, wall_start: float) -> dict:
+    """The task (tiny: its SFT model and proxy; paper: data, reward model, judge; ``flags`` the
+    command line's values), evaluate, run TBA, save, evaluate again, and write results.json."""
+    eval_cfg, tldr = configs.task
+    cfg = configs.tba
     extra: dict = {}
     out_dir = Path(cfg.output_dir)
     if preset == "tiny":
@@ -817,7 +662,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         # The paper's models of --size, unless given by flag.
         sized = paper_models(tldr.size)
-        given = {k: v for k, v in vars(args).items() if k in sized and v is not None}
+        given = {k: v for k, v in flags.items() if k in sized and v is not None}
         cfg = dataclasses.replace(cfg, **{**sized, **given})
         reward = RewardModelReward(
             tldr.reward_model or paper_reward_model(tldr.size),
@@ -826,7 +671,6 @@ def main(argv: list[str] | None = None) -> dict:
             completion_suffix=EOS_TEXT,
         )
     configs = dataclasses.replace(configs, tba=cfg)
-    out_dir.mkdir(parents=True, exist_ok=True)
     if preset != "tiny":  # the data first: missing files are named before any model loads
         train, test = load_tldr(tldr.data_dir)
     tokenizer = launch.tokenizer(cfg)
@@ -865,9 +709,7 @@ def main(argv: list[str] | None = None) -> dict:
     with launch.extensions(configs, ranks, on_step) as (cfg, parts, on_step):
         trainer = run_tba(cfg, train, reward, parts=parts, on_step=on_step)
     rl_seconds = time.time() - rl_start
-    final = out_dir / "final"
-    trainer.model.save_pretrained(final)
-    tokenizer.save_pretrained(final)
+    final = save_final(out_dir, trainer.model, tokenizer)
     after = evaluator.evaluate(trainer.model, test, "eval after")
     evaluator.close()  # its vLLM engine's process, if any
     results = {
@@ -887,14 +729,14 @@ def main(argv: list[str] | None = None) -> dict:
         "summary": run_summary(out_dir, cfg.mop_prob),
         "config": launch.config_dict(configs),
     }
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    results_path = write_results(out_dir, results)
     print(f"curves: {report.plot_run(out_dir)}")
     print_summary(results["summary"])
     print(
         f"win rate against the references: {results['win_rate_before']:.3f} -> "
         f"{results['win_rate_after']:.3f}; perplexity under the reference: "
         f"{results['perplexity_before']:.3f} -> {results['perplexity_after']:.3f} after "
-        f"{trainer.step} steps ({rl_seconds:.0f} s of RL); see {out_dir / 'results.json'}"
+        f"{trainer.step} steps ({rl_seconds:.0f} s of RL); see {results_path}"
     )
     return results
 

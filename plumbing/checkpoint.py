@@ -4,7 +4,9 @@
   directory that holds a run is refused unless the launch resumes it (``--resume``, which then
   needs a checkpoint) or says what to do with the old run (``--existing_run archive|replace``).
 * ``write_atomic``: every file a run writes whole is written to a temporary file and renamed,
-  so a kill leaves the old file or the new one, never half of either.
+  so a kill leaves the old file or the new one, never half of either; ``write_dir_atomic``
+  the same for a directory (a saved model); ``save_final`` and ``write_results`` the files a job
+  writes when its run ends.
 * ``save_checkpoint`` / ``load_checkpoint``: a resumable checkpoint of tensors and plain
   containers (``torch.load(weights_only=True)`` reads it, never unpickling code).
 * ``buffer_state`` / ``load_buffer_state``: the replay buffer in that form.
@@ -113,6 +115,56 @@ def write_atomic(path: Path, data: str | bytes | Callable) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_dir_atomic(path: Path, fill: Callable[[Path], None]) -> None:
+    """Write the directory ``path`` (a saved model) whole or not at all: ``fill`` writes into a
+    temporary directory beside it, whose files are flushed to disk, and that is renamed into
+    place. A directory already at ``path`` is renamed aside first and deleted after, so that a
+    kill leaves the old directory (perhaps under its aside name) or the new one, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        fill(tmp)
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                with open(file, "rb") as f:
+                    os.fsync(f.fileno())
+        if not path.exists():
+            os.rename(tmp, path)
+            return
+        aside = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
+        os.rename(path, aside)  # over the empty directory mkdtemp made
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            os.rename(aside, path)
+            raise
+        shutil.rmtree(aside)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_final(out_dir: Path, model, tokenizer) -> Path:
+    """``model`` and ``tokenizer`` (transformers' ``save_pretrained``) to ``out_dir/final``,
+    whole or not at all; returns the directory."""
+    final = Path(out_dir) / "final"
+
+    def fill(directory: Path) -> None:
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+
+    write_dir_atomic(final, fill)
+    return final
+
+
+def write_results(out_dir: Path, results: dict) -> Path:
+    """``results`` to ``out_dir/results.json``, whole or not at all; returns the file."""
+    path = Path(out_dir) / "results.json"
+    write_atomic(path, json.dumps(results, indent=2))
+    return path
 
 
 # ----------------------------------------------------------------------------- checkpoints

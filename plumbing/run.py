@@ -124,7 +124,8 @@ class Run:
             for thing in reversed(self.to_stop):
                 try:
                     thing.stop()
-                except Exception as failed:  # noqa: BLE001 -- raised below, after the save
+                except Exception as failed:  # noqa: BLE001 -- said now, raised after the save
+                    self.say(f"stopping {type(thing).__name__} failed: {failed!r}")
                     stop_error = stop_error or failed
             if self.trainer is not None:
                 self.trainer.save(self.ckpt_path)

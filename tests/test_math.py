@@ -121,7 +121,7 @@ def test_the_7b_recipes_memory_plan_fits_an_80_gb_gpu():
 @pytest.mark.slow
 def test_math_dry_run_runs_the_recipes_code_paths(tmp_path):
     """--preset dry_run: a random Qwen2-architecture model (grouped-query attention) on the
-    sample, the paper preset's algorithm: TBA′'s loss from the sampler's KL with one response a
+    sample, the paper preset's algorithm: TBA′'s loss as released with one response a
     pass, importance sampling, the async level, the reference reset (every 2 steps here)."""
     out = tmp_path / "run"
     argv = ["--preset", "dry_run", "--output_dir", str(out), "--total_steps", "3"]
@@ -132,4 +132,13 @@ def test_math_dry_run_runs_the_recipes_code_paths(tmp_path):
     assert [r["reference/version"] for r in rows] == [0, 2, 2]
     assert all(r["async/lag_max"] <= 10 and abs(r["prime/ratio_mean"] - 1) < 0.1 for r in rows)
     config = results["config"]
-    assert config["micro_batch_size"] == 1 and config["prime_kl_from"] == "behaviour"
+    assert config["micro_batch_size"] == 1 and config["prime_kl_from"] == "asymmetric"
+    # --eval_only of the run's final model, with the run's own output_dir (the default's case):
+    # it evaluates and writes nothing there, where a launch that trains is refused.
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()}
+    final = str(out / "final")
+    evaluated = run_math.main([*argv, "--eval_only", final])
+    assert evaluated == {"accuracy": 0.0, "test_size": 2}
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()} == (
+        before
+    )

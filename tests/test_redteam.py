@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import pickle
-import time
 
 import pytest
 import torch
@@ -19,7 +18,8 @@ from extensions.evaluate import EvalConfig
 from extensions.tiny import build_char_tokenizer, save_tiny_model
 from helpers import time_limit
 from jobs import run_redteam
-from jobs.run_redteam import HFToxicityClassifier, HFVictim, ToxicityReward
+from jobs.redteam_models import HFToxicityClassifier, HFVictim
+from jobs.run_redteam import ToxicityReward
 from plumbing.config import ConfigError
 from test_tba import read_metrics
 
@@ -144,6 +144,7 @@ def test_redteam_hf_victim_and_classifier_with_tiny_models(tmp_path):
     classifier = HFToxicityClassifier(str(tmp_path / "clf"), batch_size=2)
     reward = pickle.loads(pickle.dumps(ToxicityReward(victim, classifier, responses=3)))
     attacks = ["tell me", "how to make a cake", "x"]
+    torch.manual_seed(7)  # the victim samples: the same seed, the same answers
     answers = reward.victim.respond(attacks, 3)
     assert [len(a) for a in answers] == [3, 3, 3]
     assert all(isinstance(y, str) for a in answers for y in a)
@@ -153,8 +154,11 @@ def test_redteam_hf_victim_and_classifier_with_tiny_models(tmp_path):
     with torch.no_grad():
         want = torch.log_softmax(classifier_model(**enc).logits, -1)[:, 1]
     assert got == pytest.approx(want.tolist(), abs=1e-5)
+    torch.manual_seed(7)
     rewards = reward.batch(attacks, [{}] * 3)
-    assert len(rewards) == 3 and all(math.isfinite(r) and r <= 0 for r in rewards)
+    # r = the mean over the victim's answers of log C, the classifier's log-probability
+    want = [sum(reward.classifier.log_toxicity(ys)) / 3 for ys in answers]
+    assert rewards == pytest.approx(want, abs=1e-5)
     assert pickle.loads(pickle.dumps(reward)).victim._model is None
     assert pickle.loads(pickle.dumps(reward)).classifier._model is None
     with pytest.raises(ValueError, match="no label 'toxic'"):
@@ -171,37 +175,42 @@ def test_redteam_metrics_on_known_inputs():
     assert distance(torch.ones(1, 3)) == 0.0
     emb = run_redteam.char_bigram_embeddings(["abab", "ab", "cd"])
     assert emb.shape == (3, 3) and emb[0].tolist() == [2.0, 1.0, 0.0]  # ab, ba, cd
+    attacks = ["tell me", "tell me", "make a x", "how to"]
+    embed = run_redteam.char_bigram_embeddings
     metrics = run_redteam.attack_metrics(
-        ["tell me", "tell me", "make a x", "how to"],
-        [0.9, 0.8, 0.6, 0.1],
-        run_redteam.char_bigram_embeddings,
-        triggers=run_redteam.TINY_TRIGGERS,
+        attacks, [0.9, 0.8, 0.6, 0.1], embed, triggers=run_redteam.TINY_TRIGGERS
     )
     assert metrics["attack_success"] == 0.75 and metrics["unique_successful_attacks"] == 2
     assert metrics["triggers_found"] == 2
     assert metrics["successes_per_trigger"]["tell me"] == 2
-    assert 0 < metrics["diversity"] < 1
+    assert metrics["toxicity_mean"] == pytest.approx(0.6)
+    # Diversity of all the attacks, and apart of the successful ones (which differ here).
+    assert metrics["diversity"] == pytest.approx(distance(embed(attacks)))
+    assert metrics["diversity_successful"] == pytest.approx(distance(embed(attacks[:3])))
+    assert metrics["diversity"] != pytest.approx(metrics["diversity_successful"])
 
 
 @pytest.mark.slow
-def test_redteam_tiny_end_to_end(tmp_path):
-    """run_redteam's tiny preset for a few steps from an untrained attacker (no warm start):
-    the whole system runs and results.json has the red-teaming keys, before and after."""
-    model_dir = save_tiny_model(tmp_path / "attacker", hidden=32, layers=1, heads=1)
+def test_redteam_tiny_learns_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
+    """run_redteam's tiny preset through the whole multi-process system, from an untrained
+    attacker (the tests' tiny model as --model), 20 steps at lr 3e-3: attack success rises.
+    The tiny task's triggers are word pairs that only a warm-started attacker (minutes) finds;
+    here the victim is set off by one letter, "e", which 13-16% of an untrained attacker's
+    attacks hold. In 6 runs (seeds 0-3, and 2 of this test) attack success on 256 attacks went
+    from 0.13-0.16 to 0.39-0.49, a rise of 0.23-0.34; at lr 1e-3 (the preset's) it rose 0.02 in
+    20 steps (seed 1)."""
+    monkeypatch.setattr(run_redteam, "TINY_TRIGGERS", ("e",))
+    monkeypatch.setattr(run_redteam, "TINY_TASK", dict(run_redteam.TINY_TASK, eval_attacks=256))
     out = tmp_path / "run"
-    with time_limit(120):
-        start = time.time()
-        results = run_redteam.main(
-            [
-                *("--preset", "tiny", "--model", model_dir, "--output_dir", str(out)),
-                *("--total_steps", "4", "--initial_samples", "64"),
-            ]
-        )
-        seconds = time.time() - start
+    args = ["--preset", "tiny", "--model", tiny_model_dir, "--output_dir", str(out)]
+    args += ["--total_steps", "20", "--lr", "3e-3", "--initial_samples", "64"]
+    with time_limit(600):  # a hang detector: under a minute on the loaded 2-core machine
+        results = run_redteam.main(args)
+    assert results["attack_success"] > results["attack_success_before"] + 0.1, results
+    # every success holds the trigger (the victim flags nothing else)
+    assert results["successes_per_trigger"]["e"] == round(256 * results["attack_success"])
     saved = json.loads((out / "results.json").read_text())
-    assert saved == json.loads(json.dumps(results)) and saved["steps"] == 4
+    assert saved == json.loads(json.dumps(results)) and saved["steps"] == 20
     for key in ("attack_success", "unique_successful_attacks", "triggers_found", "diversity"):
         assert key in saved and f"{key}_before" in saved
-    assert 0 <= saved["attack_success"] <= 1 and 0 <= saved["diversity"] <= 1
-    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
-    assert seconds < 60, f"the tiny red-teaming run took {seconds:.0f} s"
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 21))

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import math
 import pickle
+import sys
+import types
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from extensions.grpo import GRPOConfig
 from extensions.tiny import build_char_tokenizer, cpu_config
 from helpers import child_pids, time_limit
 from jobs import run_tldr
-from jobs.run_tldr import RewardModelReward
+from jobs.tldr_scoring import RewardModelReward, SummaryEvaluator, win_rate
 from plumbing.config import RunError
 from tba import TBAConfig
 from test_tba import read_metrics
@@ -175,20 +176,45 @@ def test_tldr_data_loader_and_missing_data_error(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"query": "x"}\n')
     with pytest.raises(ValueError, match=r"train.jsonl:1: missing or empty field 'reference_resp"):
         run_tldr.load_tldr(str(tmp_path))
-    if importlib.util.find_spec("datasets") is None:  # else it would try the hub
-        with pytest.raises(RunError, match=r"empty/train.jsonl.*vwxyzjn/summarize"):
-            run_tldr.load_tldr(str(tmp_path / "empty"))
+
+
+def test_tldr_missing_data_is_named_or_fetched_whatever_is_installed(tmp_path, monkeypatch):
+    """Missing files are named with the dataset to fetch them from, and why they were not:
+    without the ``datasets`` package, or when the hub refuses; with it, they are fetched and
+    written as the loader reads them. ``datasets`` is stood in for, installed or not."""
+    empty = tmp_path / "empty"
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets: ImportError
+    with pytest.raises(RunError, match=r"empty/train.jsonl.*vwxyzjn/summarize.*not installed"):
+        run_tldr.load_tldr(str(empty))
+    hub = types.ModuleType("datasets")
+
+    def offline(name):
+        raise ConnectionError(f"cannot reach the hub for {name}")
+
+    hub.load_dataset = offline
+    monkeypatch.setitem(sys.modules, "datasets", hub)
+    with pytest.raises(RunError, match=r"validation.jsonl.*fetching it failed: cannot reach"):
+        run_tldr.load_tldr(str(empty))
+    assert not empty.exists() or list(empty.iterdir()) == []
+    row = {"query": "POST: p\nTL;DR:", "reference_response": " s<|endoftext|>", "extra": 1}
+    hub.load_dataset = lambda name: {"train": [row] * 3, "validation": [row] * 2}
+    train, test = run_tldr.load_tldr(str(empty))
+    assert (len(train), len(test)) == (3, 2) and test[1]["reference"] == " s"
+    assert json.loads((empty / "train.jsonl").read_text().splitlines()[0]) == {
+        "query": row["query"],
+        "reference_response": row["reference_response"],
+    }
 
 
 def test_tldr_tiny_reward_model_and_win_rate():
     """The proxy fitted to gold-labelled preferences orders fresh pairs as the gold scorer
     does, well above chance, yet its optimum is not the gold scorer's; win_rate on known
     inputs."""
-    assert run_tldr.win_rate([1.0, 0.0, 2.0, 1.0], [0.0, 1.0, 2.0, 0.5]) == pytest.approx(
+    assert win_rate([1.0, 0.0, 2.0, 1.0], [0.0, 1.0, 2.0, 0.5]) == pytest.approx(
         (1 + 0 + 0.5 + 1) / 4
     )
     with pytest.raises(ValueError):
-        run_tldr.win_rate([1.0], [])
+        win_rate([1.0], [])
     gold = run_tldr.tiny_gold()
     proxy = run_tldr.train_proxy_reward(run_tldr.preference_pairs(400, seed=11))
     heldout = run_tldr.preference_pairs(300, seed=12)
@@ -216,6 +242,8 @@ def test_tldr_summary_evaluator_on_a_tiny_model(tiny_model_dir):
     (exp of the mean token NLL), on an untrained model: the numbers are what they must be."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():  # sharper logits (the head is tied to the embedding, a norm between):
+        model.get_input_embeddings().weight.mul_(5.0)  # summaries' perplexities then differ
     examples = run_tldr.to_examples(run_tldr.tiny_posts(4, seed=3))
     cfg = cpu_config(tiny_model_dir, max_new_tokens=6)
 
@@ -225,13 +253,11 @@ def test_tldr_summary_evaluator_on_a_tiny_model(tiny_model_dir):
 
     for ex in examples:
         ex["reference"] = ""
-    evaluator = run_tldr.SummaryEvaluator(
-        cfg, EvalConfig(eval_batch_size=3), tokenizer, Judge(), model
-    )
+    evaluator = SummaryEvaluator(cfg, EvalConfig(eval_batch_size=3), tokenizer, Judge(), model)
     res = evaluator.evaluate(model, examples)
     responses = evaluator.summaries(model, examples)
     texts = [tokenizer.decode(r, skip_special_tokens=True) for r in responses]
-    want = run_tldr.win_rate([float(len(t)) for t in texts], [0.0] * 4)
+    want = win_rate([float(len(t)) for t in texts], [0.0] * 4)
     assert res["win_rate"] == want
     # Perplexity of one summary by hand: the mean NLL of its tokens given the prompt.
     prompt = tokenizer(examples[0]["prompt"])["input_ids"]
@@ -241,29 +267,45 @@ def test_tldr_summary_evaluator_on_a_tiny_model(tiny_model_dir):
     nll = -sum(logp[len(prompt) - 1 + i, t] for i, t in enumerate(responses[0])) / len(responses[0])
     alone = evaluator.perplexity(examples[:1], responses[:1])
     assert alone == pytest.approx(math.exp(nll), rel=1e-4)
-    assert res["perplexity"] > 1.0
+    assert res["perplexity"] == pytest.approx(evaluator.perplexity(examples, responses), rel=1e-4)
+    # The mean over posts of each post's perplexity (eval_tldr/eval_ppl.py), in batches of 3, of
+    # summaries whose perplexities differ (so that one over all tokens would not be the same).
+    texts = (" a", " qqqqqqqq", " the cat", " 7")
+    summaries = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    each = [evaluator.perplexity(examples[i : i + 1], summaries[i : i + 1]) for i in range(4)]
+    assert max(each) > 2 * min(each)
+    assert evaluator.perplexity(examples, summaries) == pytest.approx(sum(each) / 4, rel=1e-4)
 
 
 @pytest.mark.slow
-def test_tldr_tiny_end_to_end(tmp_path, monkeypatch):
-    """run_tldr's tiny preset, shrunk for CI: the SFT warm start, the proxy reward model, a few
-    TBA steps through the whole multi-process system, the before/after evaluation."""
-    monkeypatch.setattr(run_tldr, "TINY_TASK", dict(run_tldr.TINY_TASK, train=200, test=20))
-    monkeypatch.setattr(run_tldr, "TINY_SFT", dict(run_tldr.TINY_SFT, max_steps=30))
+def test_tldr_tiny_learns_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
+    """run_tldr's tiny preset through the whole multi-process system, from an untrained policy
+    (the tests' tiny model as --model: the SFT warm start takes minutes), 15 steps at lr 3e-3:
+    the job's own measures rise. Untrained, every greedy summary is 32 characters of one word
+    the post does not hold (gold score -1.5, win rate 0); the proxy pays an empty summary more
+    (0), and TB finds it: the greedy summary becomes the EOS alone, the gold judge's mean score
+    rises to 0, the win rate to the share of posts whose reference the gold scorer puts below 0
+    (0.2 of these 50). In 6 runs (4 with the evaluation every 5 steps, seeds 0-3, where the
+    greedy summary had turned by step 10; 2 of this test) 15 steps ended at -1.5 -> 0.0, 0.0 ->
+    0.2 and 32 -> 1 token every time; at lr 5e-4 (the preset's) it turned between steps 15 and
+    20 (seed 2), or later (seed 1: not by step 15)."""
+    monkeypatch.setattr(run_tldr, "TINY_TASK", dict(run_tldr.TINY_TASK, train=200, test=50))
     out = tmp_path / "tldr"
-    args = ["--preset", "tiny", "--output_dir", str(out), "--total_steps", "4"]
-    args += ["--eval_every", "2", "--eval_subset", "10", "--initial_samples", "32"]
-    with time_limit(120):
+    args = ["--preset", "tiny", "--model", tiny_model_dir, "--output_dir", str(out)]
+    args += ["--total_steps", "15", "--lr", "3e-3", "--eval_every", "15", "--eval_subset", "10"]
+    with time_limit(600):  # a hang detector: under a minute on the loaded 2-core machine
         results = run_tldr.main(args)
-    assert results["steps"] == 4 and results["preset"] == "tiny"
-    for key in ("win_rate_before", "win_rate_after"):
-        assert 0.0 <= results[key] <= 1.0
-    assert results["perplexity_after"] >= 1.0
-    assert 0.5 < results["reward_model_agreement"] <= 1.0
+    before, after = results["before"], results["after"]
+    assert after["judge_score"] > before["judge_score"] + 1.0, (before, after)
+    assert results["win_rate_after"] > results["win_rate_before"] + 0.1, (before, after)
+    # Stopping, which the proxy pays for: 32 tokens -> the EOS alone. (Whitespace also scores
+    # 0 with the gold scorer, and is what the proxy negated teaches: 32 newlines, no shorter.)
+    assert after["length"] < before["length"] / 2, (before, after)
+    assert results["reward_model_agreement"] > 0.75  # the proxy orders pairs as the gold scorer
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert "eval/win_rate" in rows[1] and "eval/perplexity" in rows[3]
-    assert json.loads((out / "results.json").read_text())["win_rate_after"] == pytest.approx(
-        results["win_rate_after"]
-    )
+    assert [r["step"] for r in rows] == list(range(1, 16))
+    assert "eval/win_rate" in rows[-1] and "eval/perplexity" in rows[-1]
+    assert "eval/win_rate" not in rows[0]
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["win_rate_after"] == pytest.approx(results["win_rate_after"])
     assert child_pids() == []
