@@ -87,6 +87,8 @@ def tb_loss(
     beta: float,
     behaviour_logp: torch.Tensor | None = None,
     clip_eps: float = 0.0,
+    lags: torch.Tensor | None = None,
+    proximal_logp: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """4. The VarGrad trajectory-balance loss (paper Eq. 5). Needs only torch; copy it anywhere.
 
@@ -119,22 +121,20 @@ def tb_loss(
     i.e. REINFORCE with a per-prompt mean baseline on R, scaled by 2/beta.
 
     Trust region (``clip_eps`` > 0; docs/staleness.md measures it). The optimum does not
-    depend on the data, but the path to it does: the gradient 2 (logZ + d) grad logp pushes an
-    item down while logZ + d > 0 (up while < 0) at full strength even after the policy has moved
-    it far past where the sampler had it: on data several versions old it keeps pushing down
-    answers the policy already avoids, and the mass goes to sequences the data never shows.
-    ``behaviour_logp`` (P, K) is log pi_b(y|x) of the weights that sampled each item, scored by
-    the rule of ``logp``; rho = logp - behaviour_logp (detached) is how far the policy has moved
-    on the item, u = -sign(logZ + d) rho how far along the step's push. An item with u >
-    clip_eps gives no gradient (``tb_clipped``), as PPO's clip stops pushing a ratio out of
-    [1 - eps, 1 + eps], but on the sequence and one-sided. Only the gradient changes; at the
-    target every logZ + d is 0, so the fixed point is the plain one, and on-policy (rho = 0) the
-    gradient is plain TB's exactly. The region is the sampler's: it suits data whose sampler
-    follows the policy (TBA's searchers); from a fixed sampler far from the target (an offline
-    dataset) every item is soon past eps and the policy stops short of it. Tight (a few
-    hundredths of a nat) on data a version or two old, it drops the items the previous update
-    already moved along their push, and a step whose gradient norm is capped gives their share
-    to the rest: such a step can teach more than an on-policy one (docs/tiny.md).
+    depend on the data, but the path to it does: 2 (logZ + d) grad logp pushes an item at full
+    strength even after the policy has moved it far past where its sampler had it, and on stale
+    data the mass goes to sequences the data never shows. An item gives no gradient
+    (``tb_clipped``: PPO's clip, on the sequence, one-sided) once the policy has moved it along
+    the step's push, u = -sign(logZ + d) (logp - anchor), beyond the radius of either of two
+    anchors (AReaL's decoupled PPO keeps both), each (P, K) and scored by the rule of ``logp``:
+      * ``behaviour_logp``, log pi_b of the weights that sampled it, ``lags`` versions behind
+        the step's weights: radius clip_eps sqrt(max(1, lag)), a random walk's distance, so
+        that data hundreds of versions old keep teaching (without ``lags``: clip_eps);
+      * ``proximal_logp`` (optional), log pi of the weights one update old: radius clip_eps.
+        It drops what the last update already moved, on fresh data too, and a step whose
+        gradient norm is capped gives their share to the rest: it teaches more (docs/tiny.md).
+    Only the gradient changes, so the fixed point is the plain one (there every logZ + d is 0);
+    from a fixed sampler far from the target (offline data) the policy stops short of it.
     """
     if logp.dim() != 2 or logp.shape != ref_logp.shape or logp.shape != reward.shape:
         raise ValueError(
@@ -150,7 +150,8 @@ def tb_loss(
     d = _tb_d(logp, ref_logp, reward, beta)
     log_z = -d.mean(dim=1, keepdim=True).detach()
     if clip_eps > 0:  # the trust region: the same values, no gradient from the clipped items
-        clipped = tb_clipped(logp, ref_logp, reward, beta, behaviour_logp, clip_eps)
+        region = (behaviour_logp, clip_eps, lags, proximal_logp)
+        clipped = tb_clipped(logp, ref_logp, reward, beta, *region)
         d = _tb_d(torch.where(clipped, logp.detach(), logp), ref_logp, reward, beta)
     return (log_z + d).pow(2).mean()
 
@@ -162,17 +163,20 @@ def tb_clipped(
     beta: float,
     behaviour_logp: torch.Tensor,
     clip_eps: float,
+    lags: torch.Tensor | None = None,
+    proximal_logp: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """4. The items (P, K, bool) whose gradient ``tb_loss``'s trust region drops: those the
-    policy has already moved more than ``clip_eps`` nats beyond the behaviour policy in the
-    direction logZ + d pushes them, u = -sign(logZ + d) (logp - behaviour_logp) > clip_eps."""
+    """4. The items (P, K, bool) whose gradient ``tb_loss``'s trust region drops (its rule)."""
     if behaviour_logp is None or behaviour_logp.shape != logp.shape:
-        shape = None if behaviour_logp is None else tuple(behaviour_logp.shape)
-        raise ValueError(f"tb_loss: clip_eps needs behaviour_logp of logp's shape, got {shape}")
+        raise ValueError(f"tb_loss: clip_eps needs behaviour_logp of logp's shape {logp.shape}")
     d = _tb_d(logp.detach(), ref_logp, reward, beta)
-    push = d - d.mean(dim=1, keepdim=True)  # logZ + d
-    rho = logp.detach().to(d.dtype) - behaviour_logp.to(d.dtype)
-    return -torch.sign(push) * rho > clip_eps
+    push = -torch.sign(d - d.mean(dim=1, keepdim=True))  # -sign(logZ + d)
+    logp = logp.detach().to(d.dtype)
+    radius = clip_eps if lags is None else clip_eps * lags.to(d.dtype).clamp(min=1).sqrt()
+    clipped = push * (logp - behaviour_logp.to(d.dtype)) > radius
+    if proximal_logp is not None:
+        clipped |= push * (logp - proximal_logp.to(d.dtype)) > clip_eps
+    return clipped
 
 
 def tb_log_z(
@@ -344,8 +348,8 @@ class TBAConfig(SystemConfig):
     eos_in_logprob: bool = knob(False, "score the EOS that ends a response; off: kept, not scored")
     tb_clip_eps: float = knob(
         0.0,
-        "TB's trust region, in nats of log pi - log pi_b (tba.tb_loss); the optimum does not "
-        "move. 0: off, as in the paper (tiny preset: 0.05)",
+        "TB's trust region (tba.tb_loss): nats, times sqrt(lag) from the sampler; the optimum "
+        "does not move. 0: off, as released (bf16 engines unmeasured there; tiny presets: 0.05)",
         at_least=0,
     )
     # 4. AdamW and its warmup-stable-decay schedule

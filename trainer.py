@@ -10,6 +10,7 @@ checkpoints, the metrics row, shutdown): plumbing/run.py."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -82,9 +83,10 @@ class Intake:
 
     def _raise_error(self) -> None:
         """Raise the error that ended the thread, if one did."""
+        ended = not self.thread.is_alive()  # first: the thread sets its error, then ends
         if self.error is not None:
             raise self.error
-        if not self.thread.is_alive() and not self.stopping.is_set():
+        if ended and not self.stopping.is_set():
             raise RuntimeError("the intake thread ended without an error")
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -123,19 +125,15 @@ class Trainer(Checkpointed):
         compute = torch.autocast(device.type, dtype=cfg.torch_dtype()) if mixed else None
         self.autocast = compute or contextlib.nullcontext()
         self.optimizer, self.scheduler = self.make_optimizer()
+        self.previous = copy.deepcopy(self.model).requires_grad_(False) if cfg.tb_clip_eps else None
         self.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.mop_prob, cfg.inv_temp, cfg.seed)
         self.step = 0  # optimizer steps done = the version of the current weights
-        # The synchronous baseline is this same trainer on-policy: it publishes every step, and
-        # trains only on data of its current weights, from the first batch on (its searchers
-        # generate once per version: Searcher.load_newest_weights).
-        if cfg.synchronous:
-            self.publish_every = 1
-            self.max_train_lag = 0
-            self.initial_samples = 0
-        else:
-            self.publish_every = cfg.publish_every
-            self.max_train_lag = cfg.max_train_lag
-            self.initial_samples = cfg.initial_samples
+        # The synchronous baseline is this trainer on-policy: it publishes every step and trains
+        # only on its current weights' data (searchers generate once per version: searcher.py).
+        sync = cfg.synchronous
+        self.publish_every = 1 if sync else cfg.publish_every
+        self.max_train_lag = 0 if sync else cfg.max_train_lag
+        self.initial_samples = 0 if sync else cfg.initial_samples
 
     def make_optimizer(self):
         """4. AdamW over the model's parameters, and its warmup-stable-decay schedule."""
@@ -212,14 +210,14 @@ class Trainer(Checkpointed):
         metrics["train/beta"] = beta
         grad_norm = self.grad_norm()
         if not torch.isfinite(grad_norm):
-            raise FloatingPointError(
-                f"trainer step {self.step}: gradient norm is {grad_norm.item()}"
-            )
+            raise FloatingPointError(f"step {self.step}: the gradient norm is {grad_norm.item()}")
         if cfg.max_grad_norm > 0:
             params = [p for p in self.model.parameters() if p.grad is not None]
             torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, grad_norm)
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         metrics["train/grad_norm"] = grad_norm.item()
+        if self.previous is not None:  # these weights: the next step's second anchor
+            self.previous.load_state_dict(self.model.state_dict())
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
@@ -229,8 +227,7 @@ class Trainer(Checkpointed):
         """4. The gradient of ``tb_loss`` on the (P, K) batch, accumulated into ``.grad`` over
         ``micro_batches``. log Z is per prompt, so each pass's loss weighted by its share of the
         P groups sums to tb_loss on the whole batch, exactly. Returns the loss's metrics, each a
-        sum over the batch divided by a whole-batch count (``offpolicy_metrics`` says which are
-        not)."""
+        batch sum / a whole-batch count (``offpolicy_metrics`` says which are not)."""
         eps = self.cfg.tb_clip_eps
         recorded = all(t.behaviour_logprob is not None for g in groups for t in g)
         if eps > 0 and not recorded:
@@ -242,9 +239,12 @@ class Trainer(Checkpointed):
             logp = self.score(chunk)
             ref = item_tensor(chunk, "ref_logprob", self.device)
             reward = item_tensor(chunk, "reward", self.device)
-            # fp64: sums of hundreds of log-probs, which fp32 would round
             behaviour = item_tensor(chunk, "behaviour_logprob", self.device) if recorded else None
-            loss = tb_loss(logp, ref, reward, beta, behaviour, eps) * (len(chunk) / len(groups))
+            lags = self.step - item_tensor(chunk, "version", self.device)  # versions behind
+            with torch.no_grad():  # log pi of the weights one update old: the second anchor
+                prox = None if self.previous is None else self.score(chunk, model=self.previous)
+            region = (behaviour, eps, lags, prox)  # the trust region's (tba.tb_loss)
+            loss = tb_loss(logp, ref, reward, beta, *region) * (len(chunk) / len(groups))
             loss.backward()
             # The rest is the metrics': the loss, log Z, and how far the policy has moved.
             sums["loss/tb"] += loss.item()
@@ -253,7 +253,7 @@ class Trainer(Checkpointed):
             if recorded:
                 rhos.append(logp.detach().double() - behaviour)
             if eps > 0:
-                clipped += int(tb_clipped(logp, ref, reward, beta, behaviour, eps).sum())
+                clipped += int(tb_clipped(logp, ref, reward, beta, *region).sum())
         items = sum(len(g) for g in groups)
         metrics = {**sums, "loss/logz_mean": sums["loss/logz_mean"] / len(groups)}
         metrics["policy/logp_mean"] /= items
@@ -263,22 +263,21 @@ class Trainer(Checkpointed):
 
     def micro_batches(self, groups: list[list[Trajectory]]) -> Iterator[list[list[Trajectory]]]:
         """4. The forward passes of a step: micro_batch_size sequences each, in whole groups."""
-        for part in group_passes(
-            len(groups), self.cfg.responses_per_prompt, self.cfg.micro_batch_size
-        ):
+        cfg = self.cfg
+        for part in group_passes(len(groups), cfg.responses_per_prompt, cfg.micro_batch_size):
             yield groups[part]
 
-    def score(self, groups: list[list[Trajectory]], scorer: Callable = group_logprobs):
+    def score(self, groups: list[list[Trajectory]], scorer: Callable = group_logprobs, model=None):
         """4. log pi of the groups' responses with gradients, by the scoring rule the searchers
         used for log p_ref (``TBAConfig.scoring_rule``): ``scorer(model, prompts, responses,
         **rule)``, the (P, K) sums of ``tba.group_logprobs`` unless a loss asks for another view
-        of the same rule (per token: ``tba.group_token_logprobs``)."""
+        of the same rule (per token: ``tba.group_token_logprobs``); ``model``: the policy's."""
         prompts = [group[0].prompt_tokens for group in groups]
         responses = [[t.response_tokens for t in group] for group in groups]
         rule = self.cfg.scoring_rule(self.pad_id, self.eos_id, self.device)
         rule["share_prompt"] = not self.cfg.gradient_checkpointing  # the cache would be dropped
         with self.autocast:
-            return scorer(self.model, prompts, responses, **rule)
+            return scorer(self.model if model is None else model, prompts, responses, **rule)
 
     def grad_norm(self) -> torch.Tensor:
         """4. The norm of the whole gradient, a 0-d tensor."""
@@ -327,6 +326,8 @@ class Trainer(Checkpointed):
         load_buffer_state(self.buffer, state["buffer"], StoredTrajectory)
         self.step = state["step"]
         torch.set_rng_state(state["torch_rng"])
+        if self.previous is not None:  # as at a run's start: the first update's anchor is itself
+            self.previous.load_state_dict(self.model.state_dict())
 
 
 def item_tensor(groups: list[list[Trajectory]], name: str, device: torch.device) -> torch.Tensor:

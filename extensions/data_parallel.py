@@ -391,6 +391,8 @@ class DataParallelTrainer(Trainer):
         self.ddp = None
         if self.sharded:
             shard_model(self.model, self.ranks)
+            if self.previous is not None:  # the trust region's second anchor, sharded alike
+                shard_model(self.previous, self.ranks)
             self.optimizer, self.scheduler = self.make_optimizer()  # over the shards
         else:
             self.ddp = DistributedDataParallel(
@@ -448,11 +450,12 @@ class DataParallelTrainer(Trainer):
             return _gradient_sync_off(self.model)
         return self.ddp.no_sync()
 
-    def score(self, groups: list[list[Trajectory]], scorer: Callable = group_logprobs):
-        """Replicated, through DDP (``through_ddp``); sharded, as one rank scores."""
-        if self.ddp is not None:
+    def score(self, groups: list[list[Trajectory]], scorer: Callable = group_logprobs, model=None):
+        """Replicated, through DDP (``through_ddp``; ``model``, without gradient, locally);
+        sharded, as one rank scores."""
+        if self.ddp is not None and model is None:
             scorer = functools.partial(through_ddp, self.ddp, scorer)
-        return super().score(groups, scorer)
+        return super().score(groups, scorer, model)
 
     def grad_norm(self) -> torch.Tensor:
         return full_tensor(super().grad_norm())

@@ -9,9 +9,14 @@ trust region (``tba.tb_loss``'s ``clip_eps``). This file adds, beside it:
   (log pi - log pi_b)^2 until the mean over the rest is at most tau. For TB on whole items
   (``--tb_m2_tau``: ``tb_m2_dropped``), for GRPO on tokens (``--grpo_m2po_tau``: ``m2po_loss``,
   M2PO's objective, the masked ratio without PPO's clip).
-* **The trust region widened with the data's age** (``--tb_clip_horizon``: ``lag_clip_eps``):
+* **The trust region widened from a horizon on** (``--tb_clip_horizon``: ``lag_clip_eps``):
   an item lag versions behind the step's weights gets eps sqrt(max(1, lag / horizon)) in place
-  of the core's one eps, so data older than the horizon keeps teaching.
+  of the core's rule eps sqrt(max(1, lag)) (``tba.tb_loss``; the same at horizon 1), so that
+  one eps holds the lags up to the horizon and older data keeps teaching.
+* **The trust region in the synchronous mode, PPO's way** (``--sync_two_pass``,
+  extensions/sync_region.py): on-policy data leave the sampler's anchor nothing to do; two
+  updates on each batch, the second against the sampler. (The other way, the previous update's
+  weights as the anchor, is the core's rule.)
 * **AReaL's decoupled PPO objective** for GRPO (Fu et al. 2025, arXiv 2505.24298, Eq. 5;
   ``--grpo_decoupled``: ``decoupled_ppo_loss``): the clipped ratio to a proximal policy, times
   the importance weight of the proximal policy to the behaviour policy.
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from buffer import Trajectory
+from extensions import sync_region
 from extensions.grpo import GRPOTrainer, grpo_advantages, k3_kl, padded
 from plumbing.config import knob, need
 from plumbing.metrics import offpolicy_metrics
@@ -53,10 +59,18 @@ class OffPolicyConfig:
     )
     tb_clip_horizon: float = knob(
         0.0,
-        "TB trust region widened with the data's age: an item lag versions behind the weights "
+        "TB trust region widened from a horizon on: an item lag versions behind the weights "
         "the step starts from gets eps * sqrt(max(1, lag / horizon)), eps = --tb_clip_eps (which "
-        "it needs); up to the horizon the core's region exactly. 0: off (tiny task: 16, the lag "
-        "to which eps 0.3 holds; docs/staleness.md)",
+        "it needs), in place of the core's rule eps * sqrt(max(1, lag)) (the same at horizon 1). "
+        "0: off, the core's rule (eps 0.3 with horizon 16 held the tiny task to lag 256; "
+        "docs/staleness.md)",
+    )
+    sync_two_pass: bool = knob(
+        False,
+        "--synchronous runs take two AdamW updates on each batch, the second with the trust "
+        "region (--tb_clip_eps) against the sampler alone, as PPO's epochs (one more forward "
+        "and backward pass a step; extensions/sync_region.py). Off: one update, the region's "
+        "anchor the previous update's weights (tba.tb_loss)",
     )
     grpo_m2po_tau: float = knob(
         0.0,
@@ -100,6 +114,12 @@ class OffPolicyConfig:
             "--m2_pushed_only needs a second-moment mask: --tb_m2_tau or --grpo_m2po_tau",
         )
         need(
+            not self.sync_two_pass
+            or (self.tb_m2_tau == 0 and self.tb_clip_horizon == 0 and not self.grpo_on()),
+            "--sync_two_pass is TB's region in the synchronous mode: without --tb_m2_tau, "
+            "--tb_clip_horizon, --grpo_m2po_tau and --grpo_decoupled",
+        )
+        need(
             not (self.grpo_decoupled and self.grpo_m2po_tau > 0),
             "--grpo_decoupled and --grpo_m2po_tau are two objectives: choose one",
         )
@@ -112,12 +132,14 @@ def install(parts: Parts, cfg: OffPolicyConfig) -> Parts:
     """``parts`` with the trainer of the corrections ``cfg`` asks for (its config as a class
     attribute); unchanged when none is. Call it after ``grpo.install``: the GRPO corrections
     need the GRPO trainer, the TB one the TB trainer (a ConfigError otherwise)."""
-    check(cfg, "grpo" if issubclass(parts.trainer, GRPOTrainer) else "tb")
+    check(cfg, parts.trainer.grpo.loss if issubclass(parts.trainer, GRPOTrainer) else "tb")
     need(
         not cfg.grpo_on() or not parts.trainer.grpo.grpo_dr,
         "--grpo_dr (Dr. GRPO) is GRPO's clipped objective, which --grpo_m2po_tau and "
         "--grpo_decoupled replace: choose one",
     )
+    if cfg.sync_two_pass:
+        return sync_region.install(parts)
     if cfg.grpo_on():
         base = OffPolicyGRPOTrainer
     elif cfg.tb_m2_tau > 0 or cfg.tb_clip_horizon > 0:
@@ -135,6 +157,10 @@ def check(cfg: OffPolicyConfig, loss: str, tb_clip_eps: float | None = None) -> 
     need(
         not cfg.grpo_on() or loss == "grpo",
         "--grpo_m2po_tau and --grpo_decoupled need --loss grpo",
+    )
+    need(
+        not cfg.sync_two_pass or loss == "tb",
+        "--sync_two_pass is TB's trust region in the synchronous mode: it needs --loss tb",
     )
     need(
         cfg.tb_m2_tau == 0 or loss == "tb",
@@ -220,21 +246,19 @@ def tb_m2_dropped(
 
 
 def lag_clip_eps(clip_eps: float, lags: torch.Tensor, horizon: float) -> torch.Tensor:
-    """TB's trust region widened with the data's age: the radius of each item, for
-    ``tba.tb_clipped`` in place of its one ``clip_eps`` (a tensor of ``lags``'s shape, fp64).
+    """TB's trust region widened from a horizon on: the radius of each item, for
+    ``tba.tb_clipped`` in place of the core's rule (a tensor of ``lags``'s shape, fp64).
     ``lags`` holds how many versions each item's sampler is behind the weights the step starts
     from (0: on-policy); ``horizon`` > 0, in versions.
 
         eps_ij = clip_eps * sqrt(max(1, lag_ij / horizon))
 
-    Why: the region is the sampler's, and a sampler lag versions behind sits further from the
-    policy than the last step moved it. If the steps moved an item's log-prob by independent
-    amounts, the policy's distance from its sampler would grow like sqrt(lag) (a random walk);
-    with one eps, data much older than that soon lies past eps in the direction it pushes and
-    stops teaching, as data from a fixed sampler does (tba.tb_loss; 38% of the items at lag 256,
-    eps 0.3, on the tiny task: docs/staleness.md). Up to the horizon it is the core's region
-    exactly, so searchers a few versions behind see no change, and only gradient changes: the
-    loss's values and zero are the plain ones, and on-policy (rho = 0) nothing is clipped.
+    The core's rule (``tba.tb_loss``: eps sqrt(max(1, lag)), a random walk's distance from the
+    sampler) at horizon 1; a larger horizon keeps one eps up to it, for an eps chosen for data
+    that old (0.3 at 16 on the tiny task), and widens beyond it, where one eps would leave old
+    data past eps in the direction it pushes, as data from a fixed sampler (38% of the items
+    at lag 256, eps 0.3: docs/staleness.md). Only gradient changes: the loss's values and zero
+    are the plain ones, and on-policy (rho = 0) nothing is clipped.
     """
     if horizon <= 0:
         raise ValueError(f"lag_clip_eps: horizon must be > 0, got {horizon}")
@@ -355,7 +379,8 @@ def decoupled_weights(
 
 class MaskedTBTrainer(Trainer):
     """TB with the second-moment mask, the widened trust region, or both (an item gives no
-    gradient if either drops it; with the mask alone, the core's trust region when that is on).
+    gradient if either drops it; with the mask alone, the core's trust region when that is on;
+    the widened region keeps the core's second anchor, the weights one update old).
     ``install`` sets ``offpolicy``, the config."""
 
     offpolicy: OffPolicyConfig = OffPolicyConfig()
@@ -393,13 +418,17 @@ class MaskedTBTrainer(Trainer):
                 logp_all, ref, reward, beta, behaviour, off.tb_m2_tau, off.m2_pushed_only
             )
         clipped = torch.zeros_like(dropped)  # by the trust region, the core's or the widened
-        eps = torch.full_like(rho, cfg.tb_clip_eps)
-        if off.tb_clip_horizon > 0:
-            lags = [[self.step - t.version for t in g] for g in groups]
-            lags = torch.tensor(lags, device=rho.device)
-            eps = lag_clip_eps(cfg.tb_clip_eps, lags, off.tb_clip_horizon)
-        if cfg.tb_clip_eps > 0:
-            clipped = tb_clipped(logp_all, ref, reward, beta, behaviour, eps)
+        lags = torch.tensor([[self.step - t.version for t in g] for g in groups], device=rho.device)
+        if cfg.tb_clip_eps > 0:  # the sampler's anchor, then the weights one update old
+            if off.tb_clip_horizon > 0:  # the radius widened from the horizon on, not from lag 1
+                eps = lag_clip_eps(cfg.tb_clip_eps, lags, off.tb_clip_horizon)
+                clipped = tb_clipped(logp_all, ref, reward, beta, behaviour, eps)
+            else:  # the core's rule (tba.tb_loss)
+                clipped = tb_clipped(logp_all, ref, reward, beta, behaviour, cfg.tb_clip_eps, lags)
+            if self.previous is not None:
+                with torch.no_grad():
+                    prox = torch.cat([self.score(chunk, model=self.previous) for chunk in passes])
+                clipped |= tb_clipped(logp_all, ref, reward, beta, prox, cfg.tb_clip_eps)
         sums = dict.fromkeys(("loss", "log_z", "logp"), 0.0)
         row = 0
         for chunk, (ref, reward, _) in zip(passes, data, strict=True):

@@ -73,11 +73,10 @@ TINY_PRESET: dict = dict(
     eos_in_logprob=True,
     max_grad_norm=1.0,
     micro_batch_size=0,  # one forward pass a step: sixteen groups of short sums fit at once
-    # TB's trust region, tight: at 0.05 nats it drops the gradient of the few items (5% at a lag
-    # of one version) the previous update already moved in the direction they are pushed, and
-    # a step on data one or two versions old then teaches more than an on-policy step (which
-    # it cannot touch: there log pi = log pi_b); 0.3, which holds data 16 versions old, barely
-    # binds at the preset's lags (docs/tiny.md, "An asynchronous step against a synchronous one").
+    # TB's trust region by the core's rule (tba.tb_loss) at 0.05 nats: it drops the gradient of
+    # the items the previous update already moved in the direction they are pushed, so a step
+    # teaches more than a plain one, and widens with the data's lag, so data up to 256 versions
+    # old keeps teaching (docs/staleness.md, "One rule for every age").
     tb_clip_eps=0.05,
     eval_every=50,
     eval_subset=200,

@@ -203,19 +203,30 @@ def test_decoupled_with_the_step_start_as_proximal_is_weighted_policy_gradient()
 
 
 @pytest.mark.parametrize(
-    "correction", [dict(tau=0.1), dict(clip_eps=0.3), dict(clip_eps=0.3, horizon=16.0)]
+    "correction",
+    [
+        dict(tau=0.1),
+        dict(clip_eps=0.3),
+        dict(clip_eps=0.3, horizon=16.0),
+        dict(clip_eps=0.075, horizon=1.0),  # the core's rule (tba.tb_loss)
+    ],
 )
 def test_tb_reaches_the_target_from_data_256_versions_old(correction):
     """Data 256 versions old (for the first 256 steps, the uniform first policy's): with the
     second-moment mask on the pushed items, with the trust region, or with the trust region
-    widened with the data's age, the policy reaches p_ref exp(r/beta)/Z -- none moves TB's fixed
-    point, and the sampler follows the policy."""
+    widened with the data's age (from a horizon of 16, or by the core's rule from lag 1), the
+    policy reaches p_ref exp(r/beta)/Z -- none moves TB's fixed point, and the sampler follows
+    the policy. Plain TB reaches it too here, so the test also asserts that the correction
+    acted: some step dropped the gradient of at least a tenth of its items."""
     tau = correction.get("tau", 0.0)
     clip_eps = correction.get("clip_eps", 0.0)
     horizon = correction.get("horizon", 0.0)
+    shares = []  # per step, the share of items whose gradient the correction dropped
 
     def pushed_mask(logp, ref_logp, reward, beta, behaviour_logp):
-        return tb_m2_dropped(logp, ref_logp, reward, beta, behaviour_logp, tau, True)
+        dropped = tb_m2_dropped(logp, ref_logp, reward, beta, behaviour_logp, tau, True)
+        shares.append(dropped.double().mean().item())
+        return dropped
 
     step = itertools.count()
 
@@ -223,12 +234,20 @@ def test_tb_reaches_the_target_from_data_256_versions_old(correction):
         # tabular_tb_run's sampler at step t is the policy of step max(0, t - 256)
         lags = torch.full(logp.shape, min(next(step), 256))
         eps = lag_clip_eps(clip_eps, lags, horizon)
-        return tb_clipped(logp, ref_logp, reward, beta, behaviour_logp, eps)
+        clipped = tb_clipped(logp, ref_logp, reward, beta, behaviour_logp, eps)
+        if horizon == 1.0:  # the core's rule is lag_clip_eps at horizon 1
+            assert torch.equal(
+                clipped, tb_clipped(logp, ref_logp, reward, beta, behaviour_logp, clip_eps, lags)
+            )
+        shares.append(clipped.double().mean().item())
+        return clipped
 
     drop = pushed_mask if tau else widened if horizon else None
     torch.set_num_threads(1)
-    tv, _ = tabular_tb_run(0.0 if horizon else clip_eps, lag=256, steps=1100, drop=drop)
+    tv, most_clipped = tabular_tb_run(0.0 if horizon else clip_eps, lag=256, steps=1100, drop=drop)
     assert tv < 1e-3, f"total variation {tv:.5f} from the target ({correction})"
+    acted = max(shares) if drop else most_clipped
+    assert acted > 0.1, f"the correction dropped at most {acted:.3f} of a step's items"
 
 
 @pytest.mark.parametrize("horizon", [1.0, 4.0, 16.0])
@@ -390,19 +409,24 @@ def test_trainers_masks_are_over_the_whole_batch_whatever_the_passes(tiny_model_
         assert 0 < masked < 1
 
 
-def test_widened_trust_region_trainer_is_the_pure_functions_and_the_core_up_to_the_horizon(
+def test_widened_trust_region_trainer_is_the_pure_functions_and_the_core_at_horizon_1(
     tiny_model_dir,
 ):
     """--tb_clip_horizon: the trainer's gradient in passes of 1, 2 or all 4 groups is tb_loss's
     with the items ``tb_clipped`` at ``lag_clip_eps``'s radii give no gradient; up to the
-    horizon it is the core trainer's (its trust region at --tb_clip_eps), beyond it fewer items
-    are clipped; and it needs --tb_clip_eps."""
+    horizon one radius, beyond it fewer items are clipped; at horizon 1 it is the core
+    trainer's, whose rule (tba.tb_loss: eps sqrt(max(1, lag))) widens from lag 1; and it needs
+    --tb_clip_eps."""
     values = dict(num_generations=3, responses_per_prompt=3, prompts_per_step=4, tb_clip_eps=0.1)
     config = cpu_config(tiny_model_dir, **values)
     parts = offpolicy.install(Parts(), OffPolicyConfig(tb_clip_horizon=2.0))
     trainer = parts.trainer(config, torch.device("cpu"), pad_id=0, eos_id=1)
+    at_one = offpolicy.install(Parts(), OffPolicyConfig(tb_clip_horizon=1.0)).trainer(
+        config, torch.device("cpu"), pad_id=0, eos_id=1
+    )
     core = Trainer(config, torch.device("cpu"), pad_id=0, eos_id=1)
-    core.model.load_state_dict(trainer.model.state_dict())
+    for other in (at_one, core):
+        other.model.load_state_dict(trainer.model.state_dict())
     groups, logp, mask = stale_groups(trainer.model)  # every item of version 0
     seq = (logp * mask).sum(1).view(4, 3)
     seq_ref = torch.tensor([[t.ref_logprob for t in g] for g in groups])
@@ -411,7 +435,7 @@ def test_widened_trust_region_trainer_is_the_pure_functions_and_the_core_up_to_t
     beta = 0.05
     clip_fracs = {}
     for step in (1, 2, 8, 50):  # the items' lag
-        trainer.step = core.step = step
+        trainer.step = at_one.step = core.step = step
         eps = lag_clip_eps(0.1, torch.full((4, 3), step), 2.0)
         clipped = tb_clipped(seq, seq_ref, reward, beta, seq_old, eps)
         want_loss = tb_loss(torch.where(clipped, seq.detach(), seq), seq_ref, reward, beta)
@@ -428,16 +452,51 @@ def test_widened_trust_region_trainer_is_the_pure_functions_and_the_core_up_to_t
         assert metrics["offpolicy/clip_frac"] == clipped.double().mean().item()
         assert metrics["offpolicy/clip_eps_mean"] == pytest.approx(eps.mean().item())
         clip_fracs[step] = metrics["offpolicy/clip_frac"]
-        if step <= 2:
-            core.model.zero_grad(set_to_none=True)
-            core_metrics = core.backward(groups, beta)
-            assert core_metrics["offpolicy/clip_frac"] == clip_fracs[step]
-            for mine, theirs in zip(
-                trainer.model.parameters(), core.model.parameters(), strict=True
-            ):
-                torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-6)
+        for other in (at_one, core):
+            other.model.zero_grad(set_to_none=True)
+        one_metrics = at_one.backward(groups, beta)
+        core_metrics = core.backward(groups, beta)
+        assert core_metrics["offpolicy/clip_frac"] == one_metrics["offpolicy/clip_frac"]
+        for mine, theirs in zip(at_one.model.parameters(), core.model.parameters(), strict=True):
+            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-6)
     assert clip_fracs[1] == clip_fracs[2] > clip_fracs[8] > clip_fracs[50]
     with pytest.raises(ConfigError):
         parts.trainer(
             dataclasses.replace(config, tb_clip_eps=0.0), torch.device("cpu"), pad_id=0, eos_id=1
         )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_core_rule_against_a_slow_loop(seed):
+    """tba.tb_loss's one rule for every age against a slow loop: an item lag versions behind
+    gives no gradient when -sign(logZ + d) (logp - log pi_b) > clip_eps sqrt(max(1, lag)) or,
+    with the previous update's log-probs, -sign(logZ + d) (logp - proximal) > clip_eps; without
+    lags, one radius; at lag 0 and 1 the same radius."""
+    gen = torch.Generator().manual_seed(seed)
+    p, k, beta, eps = 5, 4, 0.1, 0.05
+    logp = torch.randn(p, k, generator=gen, dtype=torch.float64, requires_grad=True)
+    ref = torch.randn(p, k, generator=gen, dtype=torch.float64)
+    reward = torch.rand(p, k, generator=gen, dtype=torch.float64)
+    behaviour = logp.detach() + 0.3 * torch.randn(p, k, generator=gen, dtype=torch.float64)
+    proximal = logp.detach() + 0.05 * torch.randn(p, k, generator=gen, dtype=torch.float64)
+    lags = torch.randint(0, 300, (p, k), generator=gen)
+    got = tb_clipped(logp, ref, reward, beta, behaviour, eps, lags)
+    both = tb_clipped(logp, ref, reward, beta, behaviour, eps, lags, proximal)
+    d = (logp.detach() - ref - reward / beta).tolist()
+    for i, j in itertools.product(range(p), range(k)):
+        sign = -math.copysign(1.0, d[i][j] - sum(d[i]) / k)
+        u = sign * (logp[i, j].item() - behaviour[i, j].item())
+        u_proximal = sign * (logp[i, j].item() - proximal[i, j].item())
+        sampler = u > eps * math.sqrt(max(1, int(lags[i, j])))
+        assert got[i, j].item() == sampler, (i, j)
+        assert both[i, j].item() == (sampler or u_proximal > eps), (i, j)
+    assert (both & ~got).any()  # the second anchor drops items the first keeps
+    fixed = tb_clipped(logp, ref, reward, beta, behaviour, eps)
+    assert torch.equal(fixed, tb_clipped(logp, ref, reward, beta, behaviour, eps, lags * 0))
+    assert torch.equal(fixed, tb_clipped(logp, ref, reward, beta, behaviour, eps, lags * 0 + 1))
+    assert got.sum() < fixed.sum()  # older items get wider radii
+    loss = tb_loss(logp, ref, reward, beta, behaviour, eps, lags, proximal)
+    (grad,) = torch.autograd.grad(loss, logp)
+    want = tb_loss(torch.where(both, logp.detach(), logp), ref, reward, beta)
+    (want_grad,) = torch.autograd.grad(want, logp)
+    torch.testing.assert_close(grad, want_grad)
