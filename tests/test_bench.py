@@ -1,4 +1,5 @@
-"""tools/bench.py's quick mode writes every key of every section."""
+"""tools/bench.py and its sections (tools/bench_*.py): the staleness harness's losses and runs,
+--ray's parts, and the quick mode writing every key of every section."""
 
 from __future__ import annotations
 
@@ -12,54 +13,67 @@ import pytest
 
 from buffer import ReplayBuffer
 from extensions.cli import run_cli
+from extensions.tiny import TINY_PRESET, save_tiny_model
 from helpers import REPO
 from plumbing.config import ConfigError
-from tools import bench
+from tools import bench, bench_accuracy, bench_staleness
 
 
 def test_stale_loss_names():
-    """Each --losses name is the flags its runs train with; tb_clip is TB's trust region at 0.3
-    (the radius that holds the sums to a lag of 16), NAME_VALUE sets the name's number."""
+    """Each --losses name is the flags its runs train with; tb_clip is TB's trust region by the
+    core's rule at 0.05 (the radius that holds the sums from lag 1 to 256), tb_sampler its
+    sampler's anchor alone, tb_fixed that anchor at 0.3 for every lag, tb_two_pass the
+    synchronous mode's region PPO's way; NAME_VALUE sets the name's number."""
 
     def flags(**given):
-        return {**bench.STALE_FLAGS, **given}
+        return {**bench_staleness.STALE_FLAGS, **given}
 
-    assert bench.stale_loss("tb") == flags()
-    assert bench.stale_loss("grpo") == flags(loss="grpo")
-    assert bench.stale_loss("tb_clip") == flags(tb_clip_eps=bench.TB_CLIP_EPS)
-    assert bench.TB_CLIP_EPS == 0.3
-    assert bench.stale_loss("tb_clip_0.1") == flags(tb_clip_eps=0.1)
-    assert bench.stale_loss("tb_m2_0.04") == flags(tb_m2_tau=0.04)
-    assert bench.stale_loss("tb_m2_pushed") == flags(tb_m2_tau=bench.TB_M2_TAU, m2_pushed_only=True)
-    assert bench.stale_loss("tb_clip_m2_0.2") == flags(tb_clip_eps=0.3, tb_m2_tau=0.2)
-    assert bench.stale_loss("tb_clip_lag") == flags(tb_clip_eps=0.3, tb_clip_horizon=16.0)
-    assert bench.stale_loss("tb_clip_lag_4") == flags(tb_clip_eps=0.3, tb_clip_horizon=4.0)
-    assert bench.stale_loss("grpo_m2po") == flags(loss="grpo", grpo_m2po_tau=0.04)
-    assert bench.stale_loss("grpo_decoupled_2") == flags(
+    assert bench_staleness.stale_loss("tb") == flags()
+    assert bench_staleness.stale_loss("grpo") == flags(loss="grpo")
+    assert bench_staleness.stale_loss("tb_clip") == flags(tb_clip_eps=bench_staleness.TB_CLIP_EPS)
+    assert bench_staleness.TB_CLIP_EPS == 0.05
+    sampler = flags(tb_clip_eps=0.075, sampler_only=True)
+    assert bench_staleness.stale_loss("tb_sampler_0.075") == sampler
+    fixed = flags(tb_clip_eps=0.3, tb_clip_horizon=math.inf, sampler_only=True)
+    assert bench_staleness.stale_loss("tb_fixed") == fixed
+    two_pass = flags(sync_two_pass=True, tb_clip_eps=0.1)
+    assert bench_staleness.stale_loss("tb_two_pass_0.1") == two_pass
+    assert bench_staleness.stale_loss("tb_clip_0.1") == flags(tb_clip_eps=0.1)
+    assert bench_staleness.stale_loss("tb_m2_0.04") == flags(tb_m2_tau=0.04)
+    assert bench_staleness.stale_loss("tb_m2_pushed") == flags(
+        tb_m2_tau=bench_staleness.TB_M2_TAU, m2_pushed_only=True
+    )
+    assert bench_staleness.stale_loss("tb_clip_m2_0.2") == flags(tb_clip_eps=0.05, tb_m2_tau=0.2)
+    assert bench_staleness.stale_loss("tb_clip_lag") == flags(tb_clip_eps=0.3, tb_clip_horizon=16.0)
+    assert bench_staleness.stale_loss("tb_clip_lag_4") == flags(
+        tb_clip_eps=0.3, tb_clip_horizon=4.0
+    )
+    assert bench_staleness.stale_loss("grpo_m2po") == flags(loss="grpo", grpo_m2po_tau=0.04)
+    assert bench_staleness.stale_loss("grpo_decoupled_2") == flags(
         loss="grpo", grpo_decoupled=True, grpo_is_cap=2.0
     )
-    assert bench.stale_loss("dr_grpo") == flags(loss="grpo", grpo_dr=True)
-    assert bench.stale_loss("tb_prime") == flags(tb_prime=True, ref_reset_every=50)
-    assert bench.stale_loss("tb_prime_25") == flags(tb_prime=True, ref_reset_every=25.0)
-    assert bench.stale_loss("tb_prime_nois") == flags(
+    assert bench_staleness.stale_loss("dr_grpo") == flags(loss="grpo", grpo_dr=True)
+    assert bench_staleness.stale_loss("tb_prime") == flags(tb_prime=True, ref_reset_every=50)
+    assert bench_staleness.stale_loss("tb_prime_25") == flags(tb_prime=True, ref_reset_every=25.0)
+    assert bench_staleness.stale_loss("tb_prime_nois") == flags(
         tb_prime=True, prime_is=False, ref_reset_every=50
     )
-    assert bench.stale_loss("tb_prime_cap_2") == flags(
+    assert bench_staleness.stale_loss("tb_prime_cap_2") == flags(
         tb_prime=True, ref_reset_every=50, prime_ratio_cap=2.0
     )
-    assert bench.STALE_FLAGS["prime_ratio_cap"] == 8.0  # the released clamp
+    assert bench_staleness.STALE_FLAGS["prime_ratio_cap"] == 8.0  # the released clamp
     for bad in ("nope", "tb_clip_", "tb_clip_x", "TB", "tb_clip_-1", "tb_clip_nan", "tb_0.3"):
         with pytest.raises(ConfigError, match="--losses"):
-            bench.stale_loss(bad)
+            bench_staleness.stale_loss(bad)
 
 
 def test_stale_order_is_tb_then_its_corrections_by_value_then_grpo():
     names = ["grpo_decoupled", "grpo", "tb_m2", "tb_clip", "tb_clip_0.1", "tb", "tb_clip_1.0"]
     names += ["tb_clip_m2_0.2", "grpo_m2po"]
-    assert sorted(names, key=bench.stale_order) == [
+    assert sorted(names, key=bench_staleness.stale_order) == [
         "tb",
-        "tb_clip_0.1",
         "tb_clip",
+        "tb_clip_0.1",
         "tb_clip_1.0",
         "tb_m2",
         "tb_clip_m2_0.2",
@@ -86,7 +100,7 @@ def test_summarize_staleness_reports_the_second_half_and_the_corrections():
         }
         for seed in (0, 1, 2)
     ]
-    row = bench.summarize_staleness(runs)["tb_m2"]["4"]
+    row = bench_staleness.summarize_staleness(runs)["tb_m2"]["4"]
     assert [s["mean_second_half"] for s in row["seeds"]] == pytest.approx(
         [0.8, 0.8333, 0.8667], 1e-3
     )
@@ -99,15 +113,25 @@ def test_summarize_staleness_reports_the_second_half_and_the_corrections():
     assert row["seeds"][0]["second_half_sd"] == pytest.approx(0.0816, abs=1e-4)
     assert row["seeds"][0]["second_half_swing"] == pytest.approx(0.15)
     assert row["mean_mean_second_half"] == pytest.approx(0.8333, abs=1e-4)
+    # the mean of each 100-step window's evaluations (here one each), per seed and paired by
+    # seed against the same loss's d = 0
+    assert row["seeds"][1]["windows"] == pytest.approx(
+        {"1-100": 0.8, "101-200": 0.8, "201-300": 0.9, "301-400": 0.8}
+    )
+    assert "median_windows_vs_d0" not in row
+    on_policy = [dict(run, lag=0, curve=[(0, 0.6), (50, 0.7), (100, 0.8)]) for run in runs]
+    summary = bench_staleness.summarize_staleness(runs + on_policy)["tb_m2"]
+    assert summary["0"]["median_windows"] == pytest.approx({"1-100": 0.75})
+    assert summary["4"]["median_windows_vs_d0"] == pytest.approx({"1-100": 0.05})
 
 
 def test_countdown_staleness_resets_the_reference_as_the_system_does(tmp_path):
     """countdown_staleness: Countdown's problems and preset; tb_prime_3 at lag 2 resets the
     trainer's reference at step 3 and the searcher's once it generates with version 3, so the
     two batches generated before the reset and trained after it are rescored, no other."""
-    model = bench.save_tiny_model(tmp_path / "model")
+    model = save_tiny_model(tmp_path / "model")
     small = dict(prompts_per_step=4, searcher_batch_prompts=4, max_new_tokens=12)
-    run = bench.staleness_run(model, "tb_prime_3", 2, 0, 6, small, task="countdown")
+    run = bench_staleness.staleness_run(model, "tb_prime_3", 2, 0, 6, small, task="countdown")
     assert run["task"] == "countdown" and run["generated_by"] == [0, 0, 0, 1, 2, 3]
     rescored = [row["reference/rescored_frac"] for row in run["steps"]]
     assert rescored == [0, 0, 0, 1, 1, 0]
@@ -118,16 +142,18 @@ def test_hard_staleness_trains_on_the_harder_task_and_counts_its_level(tmp_path,
     """hard_staleness: the runs take the harder task's sums and preset (a lag-2 run of the
     widened trust region, three steps from an untrained model); "steps to" counts 0.40 there."""
     asked = []
-    real = bench.tiny_task
-    monkeypatch.setattr(bench, "tiny_task", lambda data=None: asked.append(data) or real(data))
-    model = bench.save_tiny_model(tmp_path / "model")
-    run = bench.staleness_run(model, "tb_clip_lag", 2, 0, 3, {}, task="hard")
-    assert asked == [bench.HARD_DATA]
+    real = bench_staleness.tiny_task
+    monkeypatch.setattr(
+        bench_staleness, "tiny_task", lambda data=None: asked.append(data) or real(data)
+    )
+    model = save_tiny_model(tmp_path / "model")
+    run = bench_staleness.staleness_run(model, "tb_clip_lag", 2, 0, 3, {}, task="hard")
+    assert asked == [bench_staleness.HARD_DATA]
     assert run["task"] == "hard" and run["generated_by"] == [0, 0, 0]
     assert [step for step, _ in run["curve"]] == [0, 3]
     assert run["offpolicy"]["offpolicy/clip_eps_mean"] == pytest.approx(0.3)  # lags <= 16
     curve = [(0, 0.33), (100, 0.41), (200, 0.39)]
-    summary = bench.summarize_staleness([dict(run, curve=curve)])
+    summary = bench_staleness.summarize_staleness([dict(run, curve=curve)])
     assert summary["tb_clip_lag"]["2"]["median_steps_to"] == 100
 
 
@@ -144,10 +170,10 @@ def test_staleness_through_the_buffer_trains_what_the_buffer_samples(tmp_path, m
         return groups, is_mop
 
     monkeypatch.setattr(ReplayBuffer, "sample", sample)
-    model = bench.save_tiny_model(tmp_path / "model")
-    run = bench.staleness_run(model, "tb_clip_0.05", 1, 0, 3, {}, through_buffer=True)
-    p, k = bench.TINY_PRESET["prompts_per_step"], bench.TINY_PRESET["responses_per_prompt"]
-    lag = bench.TINY_PRESET["max_train_lag"]
+    model = save_tiny_model(tmp_path / "model")
+    run = bench_staleness.staleness_run(model, "tb_clip_0.05", 1, 0, 3, {}, through_buffer=True)
+    p, k = TINY_PRESET["prompts_per_step"], TINY_PRESET["responses_per_prompt"]
+    lag = TINY_PRESET["max_train_lag"]
     # each step: P groups of K, no item older than max_train_lag, one fresh batch since the
     # last publish
     assert drawn == [(p, {k}, step - lag, p) for step in range(3)]
@@ -161,8 +187,8 @@ def test_ray_puts_the_timed_runs_searchers_on_the_clusters_searcher_nodes():
     without it, run_tba's own parts (None)."""
     from extensions import ray_searchers
 
-    assert bench.ray_parts("") is None
-    parts = bench.ray_parts("127.0.0.1:6390")
+    assert bench_accuracy.ray_parts("") is None
+    parts = bench_accuracy.ray_parts("127.0.0.1:6390")
     assert parts.pool.func is ray_searchers.RaySearcherPool
     ray_cfg = parts.pool.keywords["ray_cfg"]
     assert ray_cfg.ray == "127.0.0.1:6390" and ray_cfg.resources() == {"searcher": 1.0}
@@ -175,7 +201,7 @@ def test_an_unknown_loss_is_a_usage_error_before_any_run(tmp_path, capsys):
     argv += ["--warm_start", str(tmp_path / "never")]
     assert run_cli(bench.main, argv) == 2
     err = capsys.readouterr().err
-    assert "error: --losses: 'nope' is not one of tb, tb_clip, tb_clip_lag, tb_m2" in err
+    assert "error: --losses: 'nope' is not one of tb, tb_clip, tb_sampler, tb_fixed," in err
     assert "Traceback" not in err
     assert not out.exists() and not (tmp_path / "never").exists()
 
@@ -186,8 +212,9 @@ def test_bench_quick_writes_every_key(tmp_path):
     """tools/bench.py --quick end to end: it exits 0 and writes every key. Timing goals are not
     asserted here; tools/bench.py reports them as measured times and ratios."""
     out = tmp_path / "bench.json"
+    rivals = ["--rivals", "proximal_0.05"]  # beside plain sync: the trust region's rival
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.bench", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "tools.bench", "--quick", "--out", str(out), *rivals],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -210,6 +237,12 @@ def test_bench_quick_writes_every_key(tmp_path):
     for section, task in (("time_to_accuracy", "tiny"), ("time_to_accuracy_hard", "hard")):
         tta = res[section]
         assert {"async", "sync", "sync_over_async", "goals", "overlap_limit"} <= set(tta)
+        assert tta["modes"] == ["async", "sync", "proximal_0.05"]
+        assert tta["strongest_rival"] in ("sync", "proximal_0.05")
+        for mode in ("sync", "proximal_0.05"):
+            assert 0 < tta[mode]["generate_share_f"] < 1 and tta[mode]["overlap_limit"] >= 1
+            assert math.isfinite(tta["rivals"][mode])
+        assert "one forward pass" in tta["proximal_0.05"]["extra_per_step"]
         assert tta["task"] == task and 0 < tta["generate_share_f"] < 1
         for key in ("window_accuracy", "step_accuracy", "generated_accuracy", "accounting"):
             assert key in tta["async"], key
@@ -218,7 +251,7 @@ def test_bench_quick_writes_every_key(tmp_path):
         assert math.isfinite(tta["sync_over_async"])
     assert "publish_and_load_s" in res["publish"]
     assert {(r["task"], r["mode"]) for r in res["runs"]} == {
-        (task, mode) for task in ("tiny", "hard") for mode in ("async", "sync")
+        (task, mode) for task in ("tiny", "hard") for mode in ("async", "sync", "proximal_0.05")
     }
     for run in res["runs"]:
         assert run["curve"] and run["steps_per_s"] > 0 and run["samples_per_s"] > 0
@@ -235,6 +268,7 @@ def test_bench_quick_writes_every_key(tmp_path):
         assert engines["vllm_tokens_per_s"] > 0 and engines["hf_tokens_per_s"] > 0
         assert engines["vllm_load_s"] > 0 and engines["hf_load_s"] > 0
     assert "sync / async time to 0.85" in proc.stdout  # the printed report
+    assert "the strongest rival" in proc.stdout
     assert "overlap alone gives at most" in proc.stdout
     stale = res["staleness"]
     assert set(stale["summary"]["tb"]) == {"0", "2"}
