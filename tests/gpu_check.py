@@ -15,20 +15,20 @@ In this order:
    released run's), and the trainer process's peak GPU memory.
 3. **A publish**: the weights into a CUDA weight store, with the parity probe's log-prob; the
    same through host memory (what an FSDP publish did before it gathered on the GPU), and the
-   Ray driver's copy of the store to host memory (``ray_searchers.StoreSnapshot``).
+   Ray driver's copy of the store to host memory (``weight_group.StoreSnapshot``).
 4. **A searcher's process** (spawned, as a searcher is): the transformers engine on the GPU
    loads the weights from the store by CUDA IPC, its probe log-prob must match the trainer's
    (the parity check), then it times generate calls of the searchers' shape (3 prompts x N 24,
    up to 512 new tokens: a random model rarely ends early, so every call is the longest) and
    reports its own peak memory.
-5. **The weight group** (extensions/ray_searchers.py's ``--ray_weights broadcast``, without Ray), as
-far as
-   one GPU shows it: the same version from this process to the searcher's over a gloo weight
-   group of the two (from the CUDA store through host memory, ``StoreSnapshot``, in buckets),
-   into a staging copy, then into its engine on the GPU, the parity probe checked again; and an
-   NCCL weight group of one rank (NCCL refuses two ranks on one GPU): it forms on a PrefixStore
-   and runs a version's buckets from the store and from host memory through its two GPU
-   buffers, as a searcher's receive would. Two GPUs are needed for NCCL's transfer itself.
+5. **The weight group** (extensions/weight_group.py, ``--ray_weights broadcast``, without Ray),
+   as far as one GPU shows it: the same version from this process to the searcher's over a
+   gloo weight group of the two (from the CUDA store through host memory, ``StoreSnapshot``,
+   in buckets), into a staging copy, then into its engine on the GPU, the parity probe checked
+   again; and an NCCL weight group of one rank (NCCL refuses two ranks on one GPU): it forms
+   on the group's store and runs a version's buckets from the store and from host memory
+   through its two GPU buffers, as a searcher's receive would. Two GPUs are needed for NCCL's
+   transfer itself.
 6. **An estimate** of the paper run on 4xA100 from these figures (``estimate``), beside the
    authors' 82 minutes.
 
@@ -285,7 +285,7 @@ def publish(trainer, device: torch.device):
     the probe's log-prob; the same weights through host memory; and the Ray driver's copy of
     the store to host memory. Seconds each, median of 3."""
     from engines import make_weight_store
-    from extensions.ray_searchers import StoreSnapshot
+    from extensions.weight_group import StoreSnapshot
 
     probe = probe_of(trainer.model.config.vocab_size)
     store = make_weight_store(trainer.cfg, trainer.model, device)
@@ -324,33 +324,27 @@ def publish(trainer, device: torch.device):
 def searcher_process(cfg, device, store, probe, shape: dict, timed: int) -> tuple[dict, dict]:
     """The searcher's side in a spawned process: load by IPC, the parity check, generate; then
     the same version by the weight group (``send_by_group``)."""
-    import datetime
+    from extensions.group_store import StoreServer
 
-    import torch.distributed as dist
-
-    server = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    server = StoreServer("127.0.0.1")
+    secret = server.open()
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    args = (cfg, str(device), store, probe, shape, timed, server.port, out)
+    args = (cfg, str(device), store, probe, shape, timed, server.port, secret, out)
     proc = ctx.Process(target=_searcher, args=args)
     proc.start()
     try:
         result = out.get(timeout=300)
         if "error" in result:
             raise RuntimeError(f"the searcher's process failed:\n{result['error']}")
-        sent = send_by_group(store, server)
+        sent = send_by_group(store, server.port, secret)
         received = out.get(timeout=300)
         if "error" in received:
             raise RuntimeError(f"the searcher's weight group failed:\n{received['error']}")
     finally:
         proc.join(timeout=30)
         proc.kill()
+        server.close()
     return result, {**sent, **received}
 
 
@@ -358,15 +352,13 @@ GROUP_BUCKET = 64 << 20  # RayConfig.ray_bucket_mb's default
 GROUP_TIMEOUT_S = 300.0
 
 
-def send_by_group(store, server) -> dict:
+def send_by_group(store, port: int, secret: str) -> dict:
     """Rank 0 of a gloo weight group of two (this process and the searcher's): the store's
     version through host memory (StoreSnapshot: a stream of its own, pinned memory), in
     buckets, then the flag that it is whole and the sum that says it arrived."""
-    from extensions.ray_searchers import StoreSnapshot, WeightGroup
+    from extensions.weight_group import StoreSnapshot, WeightGroup
 
-    group = WeightGroup(
-        "gloo", "127.0.0.1", server.port, 1, 0, 2, GROUP_TIMEOUT_S, "127.0.0.1", server=server
-    )
+    group = WeightGroup("gloo", "127.0.0.1", port, secret, 1, 0, 2, GROUP_TIMEOUT_S, "127.0.0.1")
     snapshot = StoreSnapshot(store)
     t0 = time.perf_counter()
     read = snapshot.read()
@@ -382,24 +374,16 @@ def send_by_group(store, server) -> dict:
 
 
 def nccl_one_rank(store) -> dict:
-    """An NCCL weight group of one rank on this GPU: formed on a PrefixStore, a version's
+    """An NCCL weight group of one rank on this GPU: formed on its own store, a version's
     buckets broadcast from the CUDA store and from host memory (through the two GPU buffers a
     searcher receives into), the flags. Seconds of each; on failure, the error."""
-    import datetime
+    from extensions.group_store import StoreServer
+    from extensions.weight_group import WeightGroup
 
-    import torch.distributed as dist
-
-    from extensions.ray_searchers import WeightGroup
-
-    server = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    server = StoreServer("127.0.0.1")
     try:
-        group = WeightGroup("nccl", "127.0.0.1", server.port, 1, 0, 1, 60.0, "", server=server)
+        secret = server.open()
+        group = WeightGroup("nccl", "127.0.0.1", server.port, secret, 1, 0, 1, 60.0, "")
         flat = store.flat.view(-1).view(torch.uint8)
         host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
         figures = {}
@@ -416,9 +400,13 @@ def nccl_one_rank(store) -> dict:
         return {"formed": True, **figures}
     except Exception as error:  # noqa: BLE001 -- reported, as the check's finding
         return {"formed": False, "error": f"{type(error).__name__}: {error}"[:500]}
+    finally:
+        server.close()
 
 
-def _searcher(cfg, device: str, store, probe, shape: dict, timed: int, port: int, out) -> None:
+def _searcher(
+    cfg, device: str, store, probe, shape: dict, timed: int, port: int, secret: str, out
+) -> None:
     import traceback
 
     try:
@@ -428,20 +416,20 @@ def _searcher(cfg, device: str, store, probe, shape: dict, timed: int, port: int
         out.put({"error": traceback.format_exc()})
         return
     try:
-        out.put(_received_by_group(engine, store, probe, port))
+        out.put(_received_by_group(engine, store, probe, port, secret))
     except Exception:  # noqa: BLE001 -- the parent reports it
         out.put({"error": traceback.format_exc()})
 
 
-def _received_by_group(engine, store, probe, port: int) -> dict:
+def _received_by_group(engine, store, probe, port: int, secret: str) -> dict:
     """Rank 1 of ``send_by_group``'s group: the version into a staging copy in host memory
     (pinned on a GPU machine), then into the engine, and the parity probe on the engine."""
     import math
 
     from extensions.checks import engine_logprob
-    from extensions.ray_searchers import WeightGroup
+    from extensions.weight_group import WeightGroup
 
-    group = WeightGroup("gloo", "127.0.0.1", port, 1, 1, 2, GROUP_TIMEOUT_S, "127.0.0.1")
+    group = WeightGroup("gloo", "127.0.0.1", port, secret, 1, 1, 2, GROUP_TIMEOUT_S, "127.0.0.1")
     staging = torch.empty(
         store.flat.numel() * store.flat.element_size(),
         dtype=torch.uint8,
