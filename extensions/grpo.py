@@ -15,8 +15,15 @@ Dr. GRPO (``--grpo_dr``; Liu et al. 2025, "Understanding R1-Zero-Like Training",
 is the same objective without its two normalisations: the advantage r - mean r, not divided by
 the group's standard deviation, and the loss summed over a response's tokens and divided by a
 constant (the batch's responses times max_new_tokens, as its code divides by the generation
-budget), not by the tokens there are. TBA′'s released GRPO baseline (bbartoldson/tba-prime,
-PRIME-RL's advantages) also centres without the std (docs/tba_prime.md).
+budget), not by the tokens there are.
+
+The ratio loss (``--loss ratio``; ``ratio_loss``) is the baseline TBA′ was released with
+(bbartoldson/tba-prime, MATH_experiments/GRPO_qwen_async2 and _async10: PRIME-RL's ``ratio``
+loss), which the paper calls Dr. GRPO: each token's ratio to the sampler clamped at
+``--ratio_cap`` (8) times the advantage r - mean r, with no PPO clip and no KL term; with
+``--ratio_norm sequence`` each response's sum over its own length, prompt included (the
+released run's one sequence a pass). It is TBA′'s loss without its KL term
+(extensions/tba_prime.py); docs/tba_prime.md says which project loss is which released config.
 
 One departure from TRL: pi_old is the engine's own log-prob of the sample (vLLM's on GPUs),
 where TRL with one update per batch takes the trainer's (logp.detach()), so on-policy the ratio
@@ -24,8 +31,8 @@ is 1 only up to the numerical difference of the two engines (grpo/ratio_mean sho
 asynchronous mode has no trainer-side pi_old to recompute.
 
 The extension: ``GRPOConfig`` (its flags), the losses (torch only: copy them anywhere),
-``GRPOTrainer`` (``Trainer.backward`` replaced), ``GRPOSearcher`` (the per-token log-probs)
-and ``install``, which puts both in a run's Parts.
+``GRPOTrainer`` and ``RatioTrainer`` (``Trainer.backward`` replaced), ``GRPOSearcher`` (the
+per-token log-probs) and ``install``, which puts them in a run's Parts.
 """
 
 from __future__ import annotations
@@ -36,9 +43,10 @@ from dataclasses import dataclass
 import torch
 
 from buffer import Trajectory
-from plumbing.config import knob, need
+from plumbing.config import check_bounds, knob, need
+from plumbing.metrics import offpolicy_metrics
 from searcher import Searcher
-from tba import group_token_logprobs
+from tba import TBAConfig, group_token_logprobs
 from trainer import Parts, Trainer
 
 
@@ -49,7 +57,10 @@ class GRPOConfig:
     loss: str = knob(
         "tb",
         "tb: VarGrad trajectory balance (the paper) | grpo: the on-policy GRPO baseline "
-        "(DeepSeekMath Eq. 3, token-level as TRL; extensions/grpo.py)",
+        "(DeepSeekMath Eq. 3, token-level as TRL; extensions/grpo.py) | ratio: TBA′'s released "
+        "Dr. GRPO baseline, PRIME-RL's ratio loss (the ratio to the sampler capped at "
+        "--ratio_cap, times r - mean r; no clip, no KL)",
+        choices=("tb", "grpo", "ratio"),
     )
     grpo_clip_eps: float = knob(0.2, "GRPO: clip range of the ratio pi / pi_old (TRL's default)")
     grpo_kl_coef: float = knob(
@@ -61,9 +72,20 @@ class GRPOConfig:
         "the group's std) and the loss summed over tokens over a constant, responses x "
         "max_new_tokens (no division by length); off: GRPO as TRL",
     )
+    ratio_cap: float = knob(
+        8.0,
+        "--loss ratio: each token's ratio pi / pi_b clamped to at most this (released: 8)",
+        above=1.0,
+    )
+    ratio_norm: str = knob(
+        "tokens",
+        "--loss ratio: tokens: one token mean over the batch | sequence: each response's sum "
+        "over its own length, prompt included, then a mean over responses (released)",
+        choices=("tokens", "sequence"),
+    )
 
     def __post_init__(self) -> None:
-        need(self.loss in ("tb", "grpo"), f"--loss {self.loss!r} is not one of tb, grpo")
+        check_bounds(self)  # the bounds each knob declares, --loss's choices among them
         need(
             0.0 < self.grpo_clip_eps < 1.0,
             f"--grpo_clip_eps must be in (0, 1), got {self.grpo_clip_eps}",
@@ -73,12 +95,13 @@ class GRPOConfig:
 
 
 def install(parts: Parts, cfg: GRPOConfig) -> Parts:
-    """``parts`` with the GRPO trainer when ``cfg.loss`` is grpo (its config as a class
-    attribute), and searchers that record each sampled token's behaviour and reference
-    log-probs."""
-    if cfg.loss != "grpo":
+    """``parts`` with the GRPO trainer when ``cfg.loss`` is grpo, the ratio trainer when it is
+    ratio (its config as a class attribute), and searchers that record each sampled token's
+    behaviour and reference log-probs."""
+    if cfg.loss == "tb":
         return parts
-    trainer = type(f"GRPO{parts.trainer.__name__}", (GRPOTrainer, parts.trainer), {"grpo": cfg})
+    base, name = (RatioTrainer, "Ratio") if cfg.loss == "ratio" else (GRPOTrainer, "GRPO")
+    trainer = type(f"{name}{parts.trainer.__name__}", (base, parts.trainer), {"grpo": cfg})
     return dataclasses.replace(parts, trainer=trainer, searcher=GRPOSearcher)
 
 
@@ -265,6 +288,78 @@ def grpo_metrics(
     }
 
 
+def ratio_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    cap: float = 8.0,
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ratio loss, the baseline TBA′ was released with (PRIME-RL's ``ratio`` loss, run by
+    bbartoldson/tba-prime's GRPO_qwen configs; the paper's Dr. GRPO). Needs only torch; copy
+    it anywhere.
+
+    Shapes: ``logp`` (B, T) = log pi_theta(y_t | x, y_<t) of each scored token (carries the
+    gradient), ``old_logp`` (B, T) the same under pi_b, the weights that sampled the response,
+    ``mask`` (B, T) 1 on scored tokens; ``advantages`` (B,) one per response,
+    ``grpo_advantages(reward, scale=False).reshape(-1)``: r - mean r over its prompt's K
+    responses (PRIME-RL's default advantage, Dr. GRPO's). ``normalizer``: None, the batch's
+    scored tokens; a number; or a (B,) tensor, row i's sum divided by its own entry (the
+    released per-sequence mean: ``sequence_normalizer``). Returns a scalar, fp32.
+
+        w_it = min(exp(logp_it - old_it), cap)            (the released clamp(., 0, cap))
+        loss = -sum_i (sum_t m_it w_it A_i) / N_i          (N_i = N, or normalizer[i])
+
+    The gradient is -m_it w_it A_i grad logp_it / N_i below the cap and 0 above it (the clamp
+    is flat there). There is no PPO clip: a token's push goes on while its ratio moves past
+    1 + eps in its advantage's direction, and stops only past the cap, whatever the sign of A.
+    There is no KL term and no reference. On-policy (old = logp, w = 1 with gradient
+    grad logp) the gradient is REINFORCE with the group's mean as baseline, Dr. GRPO's.
+    TBA′'s loss (tba_prime.prime_tb_loss) is this loss with A_i - beta (KL_i - mean KL) in
+    place of A_i. Masked positions may hold anything, NaN or -inf included.
+    """
+    if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
+        raise ValueError(
+            "ratio_loss: logp, old_logp and mask must share a (B, T) shape, got "
+            f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}"
+        )
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(
+            f"ratio_loss: advantages must be ({logp.shape[0]},), got {tuple(advantages.shape)}"
+        )
+    if cap <= 0:
+        raise ValueError(f"ratio_loss: cap must be > 0, got {cap}")
+    if isinstance(normalizer, torch.Tensor):
+        if normalizer.shape != logp.shape[:1] or not (normalizer > 0).all():
+            raise ValueError(
+                f"ratio_loss: a normalizer tensor must be ({logp.shape[0]},), every entry > 0"
+            )
+    elif normalizer is not None and normalizer <= 0:
+        raise ValueError(f"ratio_loss: normalizer must be > 0, got {normalizer}")
+    m = mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    lp = torch.where(m, logp.float(), zero)
+    old = torch.where(m, old_logp.detach().float(), zero)
+    weight = torch.clamp(torch.exp(lp - old), max=cap)
+    per_token = torch.where(m, -weight * advantages.detach().float().unsqueeze(1), zero)
+    if isinstance(normalizer, torch.Tensor):  # each row over its own denominator
+        return (per_token.sum(dim=1) / normalizer.to(per_token)).sum()
+    return per_token.sum() / (normalizer if normalizer is not None else m.sum().clamp(min=1))
+
+
+def sequence_normalizer(
+    flat: list[Trajectory], items: int, device: torch.device | str
+) -> torch.Tensor:
+    """The released per-sequence normalisation's denominators, (len(flat),) fp32: each
+    response's sequence length, its prompt's tokens and its own (PRIME-RL's ``seq_lens``: the
+    released trainer, one sequence a pass, divides each pass's token sum by it), times the
+    batch's ``items`` responses (its division by the accumulation steps). So the batch's loss
+    is the mean over responses of each one's sum over its own length, whatever the passes."""
+    lengths = [len(t.prompt_tokens) + len(t.response_tokens) for t in flat]
+    return torch.tensor(lengths, dtype=torch.float32, device=device) * items
+
+
 # ----------------------------------------------------------------------------- the trainer
 
 
@@ -284,12 +379,7 @@ class GRPOTrainer(Trainer):
         (``tba.scored_tokens``); a list that does not match the tokens scored here is an error
         naming the prompt."""
         cfg = self.grpo
-        for t in (t for g in groups for t in g):
-            if t.token_logprobs is None:
-                raise ValueError(
-                    f"--loss grpo: a trajectory of prompt {t.prompt_id!r} has no per-token "
-                    "log-probs (made by a searcher, or saved in a checkpoint, under --loss tb)"
-                )
+        require_token_logprobs(groups, "--loss grpo")
         total = sum(len(t.token_logprobs["behaviour"]) for g in groups for t in g)
         constant = None  # Dr. GRPO's denominator: every response at the generation budget
         if cfg.grpo_dr:
@@ -300,16 +390,7 @@ class GRPOTrainer(Trainer):
         for chunk in self.micro_batches(groups):
             flat = [t for g in chunk for t in g]
             logp, mask = self.score(chunk, group_token_logprobs)  # per token
-            for t, n in zip(flat, mask.sum(1).tolist(), strict=True):
-                behaviour, reference = t.token_logprobs["behaviour"], t.token_logprobs["reference"]
-                if len(behaviour) != n or len(reference) != n:
-                    raise ValueError(
-                        f"--loss grpo: prompt {t.prompt_id!r}: {n} scored tokens, but "
-                        f"{len(behaviour)} behaviour and {len(reference)} reference log-probs "
-                        "recorded (the searcher scored by another rule)"
-                    )
-            old = padded([t.token_logprobs["behaviour"] for t in flat], logp.shape[1], self.device)
-            ref = padded([t.token_logprobs["reference"] for t in flat], logp.shape[1], self.device)
+            old, ref = token_lists(flat, mask, ("behaviour", "reference"), "--loss grpo")
             reward = torch.tensor([[t.reward for t in g] for g in chunk], device=self.device)
             adv = grpo_advantages(reward, scale=not cfg.grpo_dr).reshape(-1)
             share = int(mask.sum()) / max(total, 1)  # of the batch's tokens: the metrics' weight
@@ -334,6 +415,116 @@ class GRPOTrainer(Trainer):
         metrics = super().update(groups)
         del metrics["train/beta"]  # GRPO has no beta
         return metrics
+
+
+class RatioTrainer(GRPOTrainer):
+    """The trainer with the ratio loss, TBA′'s released baseline (``install`` sets ``grpo``)."""
+
+    grpo: GRPOConfig = GRPOConfig(loss="ratio")
+
+    def __init__(self, cfg: TBAConfig, device: torch.device, pad_id: int, eos_id: int):
+        checked_split_rows(cfg)
+        super().__init__(cfg, device, pad_id, eos_id)
+
+    def backward(self, groups: list[list[Trajectory]], beta: float) -> dict[str, float]:
+        """4. ratio_loss over ``micro_batches`` of whole groups, or of parts of
+        ``micro_batch_size`` responses when that is below K (``split_rows``: the released run's
+        one sequence a pass), advantages r - mean r of each group computed first (no std, no
+        beta, no reference), each pass's sum over the whole batch's scored tokens
+        (``ratio_norm`` tokens) or over each response's own length times the batch's responses
+        (sequence, ``sequence_normalizer``): the passes sum to the loss on the whole batch.
+        Reads the per-token log pi_b the searchers record (``GRPOSearcher``)."""
+        cfg = self.grpo
+        require_token_logprobs(groups, "--loss ratio")
+        items = sum(len(g) for g in groups)
+        tokens = sum(len(t.token_logprobs["behaviour"]) for g in groups for t in g)
+        advantage_of = {}
+        for group in groups:
+            reward = torch.tensor([[t.reward for t in group]])
+            for t, a in zip(group, grpo_advantages(reward, scale=False)[0].tolist(), strict=True):
+                advantage_of[id(t)] = a
+        units = groups
+        rows = split_rows(self.cfg)
+        if rows:  # parts of a group, one a pass (the core's passes: max(1, rows // K) groups)
+            units = [g[i : i + rows] for g in groups for i in range(0, len(g), rows)]
+        sums = dict.fromkeys(("loss", "logp", "ratio", "capped"), 0.0)
+        rhos = []
+        for chunk in self.micro_batches(units):
+            flat = [t for g in chunk for t in g]
+            logp, mask = self.score(chunk, group_token_logprobs)  # per token
+            (old,) = token_lists(flat, mask, ("behaviour",), "--loss ratio")
+            adv = torch.tensor([advantage_of[id(t)] for t in flat], device=self.device)
+            if cfg.ratio_norm == "sequence":
+                normalizer = sequence_normalizer(flat, items, self.device)
+            else:
+                normalizer = float(max(tokens, 1))
+            loss = ratio_loss(logp, old, mask, adv, cfg.ratio_cap, normalizer)
+            loss.backward()
+            m = mask.bool()
+            ratio = torch.exp(torch.where(m, logp.detach().float() - old, 0.0))
+            sums["loss"] += loss.item()
+            sums["logp"] += logp.detach().sum().item()
+            sums["ratio"] += torch.where(m, ratio, 0.0).sum().item()
+            sums["capped"] += int((m & (ratio > cfg.ratio_cap)).sum())
+            behaviour = torch.tensor([t.behaviour_logprob for t in flat], dtype=torch.float64)
+            sequence = logp.detach().double().sum(1).cpu()
+            rhos.append((sequence - behaviour).view(len(chunk), -1))
+        metrics = {
+            "loss/ratio": sums["loss"],
+            "ratio/ratio_mean": sums["ratio"] / max(tokens, 1),  # pi / pi_b per token
+            "ratio/capped_frac": sums["capped"] / max(tokens, 1),  # tokens over the cap
+            "policy/logp_mean": sums["logp"] / items,
+            **offpolicy_metrics(torch.cat(rhos), 0, items),
+        }
+        del metrics["offpolicy/clip_frac"]  # TB's trust region's, not this loss's
+        return metrics
+
+
+def split_rows(cfg: TBAConfig) -> int:
+    """Responses per pass when ``micro_batch_size`` is below K (a prompt's responses split over
+    passes: the ratio loss, TBA′'s loss with the group's part of its advantage known before any
+    pass, the references' scoring); 0: whole groups."""
+    size = cfg.micro_batch_size
+    return size if 0 < size < cfg.responses_per_prompt else 0
+
+
+def checked_split_rows(cfg: TBAConfig) -> int:
+    """``split_rows``, a ConfigError unless it divides K (a loss's passes hold whole parts)."""
+    rows, k = split_rows(cfg), cfg.responses_per_prompt
+    need(
+        rows == 0 or k % rows == 0,
+        f"--micro_batch_size {rows} must divide --responses_per_prompt {k}: a pass holds whole "
+        "parts of one prompt's group",
+    )
+    return rows
+
+
+def require_token_logprobs(groups: list[list[Trajectory]], flag: str) -> None:
+    """A ValueError naming the prompt unless every trajectory carries per-token log-probs."""
+    for t in (t for g in groups for t in g):
+        if t.token_logprobs is None:
+            raise ValueError(
+                f"{flag}: a trajectory of prompt {t.prompt_id!r} has no per-token log-probs "
+                "(made by a searcher, or saved in a checkpoint, under --loss tb)"
+            )
+
+
+def token_lists(
+    flat: list[Trajectory], mask: torch.Tensor, keys: tuple[str, ...], flag: str
+) -> list[torch.Tensor]:
+    """The per-token lists ``keys`` of ``flat``'s trajectories (``Trajectory.token_logprobs``)
+    as (B, T) tensors on the mask's device, padded to its width T; a list whose length is not
+    its row's scored tokens is an error naming the prompt (the searcher scored by another
+    rule)."""
+    for t, n in zip(flat, mask.sum(1).tolist(), strict=True):
+        for key in keys:
+            if len(t.token_logprobs[key]) != n:
+                raise ValueError(
+                    f"{flag}: prompt {t.prompt_id!r}: {n} scored tokens, but "
+                    f"{len(t.token_logprobs[key])} {key} log-probs recorded (the searcher "
+                    "scored by another rule)"
+                )
+    return [padded([t.token_logprobs[k] for t in flat], mask.shape[1], mask.device) for k in keys]
 
 
 # ----------------------------------------------------------------------------- the searcher

@@ -20,7 +20,15 @@ experiments and the GPU recipe (jobs/run_math.py).
    which is A's two means. With importance sampling (``--prime_is``, the released IS configs)
    each token's push is weighted by its ratio pi / pi_b to the weights that sampled it,
    clamped at ``--prime_ratio_cap`` (8, the released clamp), which is what makes stale data
-   usable: the estimate is of the gradient at the current policy.
+   usable: the estimate is of the gradient at the current policy. Without the KL term this is
+   the released Dr. GRPO baseline (``--loss ratio``, extensions/grpo.py).
+   As released (the MATH runs, commit 71c1716; ``PRIME_VALUES``): the group's mean KL is the
+   sampler's, each response's own KL the policy's (``--prime_kl_from asymmetric``), so the KL
+   part of A does not sum to zero over a group; each token's log pi - log p_ref is clamped to
+   [-10, 10] before the sum (``--prime_kl_clamp 10``); each response's loss is divided by its
+   own length, prompt included, and the batch's by its responses (``--prime_norm sequence``:
+   the released trainer's one sequence a pass); AdamW's betas are (0.9, 0.99) and its weight
+   decay 0.01 (``--adam_beta2 0.99 --weight_decay 0.01``, over any loss).
 2. The reference that resets (``--ref_reset_every`` R; ``ResetTrainer``, ``PrimeSearcher``).
    Every R steps p_ref becomes the policy: on the trainer, which copies its weights into its
    own reference model at step R, 2R, ...; on every searcher, which copies the weights it loads
@@ -40,15 +48,19 @@ experiments and the GPU recipe (jobs/run_math.py).
    (``buffer/dropped``). No replay, no most-on-policy draw (``async/mop_frac`` is 0).
 
 Departures from the released code, with reasons:
-  * KL_i is the sequence sum of log pi - log p_ref, not a sum of per-token terms each clamped
-    to +-10 nats: the searchers send log p_ref summed, as the core's TB needs it; at lr 1e-6 no
-    token's log-ratio comes near 10 (``prime/kl_mean`` shows it).
-  * ``--prime_kl_from behaviour`` computes KL_i from the sampler's log-probs (the released
-    ``kl_per_sample_source inference`` and ``kl_mean_source inference``), so that A comes from
-    the data alone and a group's responses may be split over passes (a ``--micro_batch_size``
-    below K) and ranks, which 16 responses of up to 4,096 tokens of a 7B model need
-    (docs/tba_prime.md, the memory plan). The default ``policy`` is the released default: KL_i
-    from the policy being trained, which needs a group's K responses in one pass.
+  * The defaults are not the release's: ``--tb_prime`` alone takes KL_i and its mean from the
+    policy being trained (``--prime_kl_from policy``, the later code's ``kl_mean_source
+    train``), unclamped, in one token mean over the batch, with torch's AdamW betas, as the
+    tiny presets were measured; ``PRIME_VALUES`` is the release.
+  * ``--prime_kl_from behaviour`` computes KL_i and its mean from the sampler's log-probs (the
+    later code's ``kl_per_sample_source inference`` and ``kl_mean_source inference``), so that
+    A comes from the data alone. It and ``asymmetric`` let a group's responses be split over
+    passes (a ``--micro_batch_size`` below K) and ranks, which 16 responses of up to 4,096
+    tokens of a 7B model need (docs/tba_prime.md, the memory plan); ``policy`` needs a group's
+    K responses in one pass.
+  * The sampler's log-probs are the engine's, recorded as it sampled; the released trainer
+    recomputes them with the weights of A steps before (``recompute_logprobs``), which are the
+    sampler's when inference runs exactly A steps ahead.
   * Searchers are not held back: the released inference waits when it is A steps ahead;
     here they generate on and the trainer drops what has grown too old.
   * The optimizer is not reset with the reference (the released resetOpt configs are a
@@ -56,8 +68,8 @@ Departures from the released code, with reasons:
 
 The extension: ``PrimeConfig`` (its flags), ``prime_advantages`` and ``prime_tb_loss`` (torch
 only), ``PrimeTrainer`` (the loss), ``ResetTrainer`` and ``PrimeSearcher`` (the reference),
-``OnceTrainer`` and ``OnceBuffer`` (the async level), ``install`` and ``configure``, which put
-them in a run's Parts (launch.parts calls both).
+``OnceTrainer`` and ``OnceBuffer`` (the async level), ``BetasTrainer`` (AdamW's betas),
+``install`` and ``configure``, which put them in a run's Parts (launch.parts calls both).
 """
 
 from __future__ import annotations
@@ -71,7 +83,15 @@ from dataclasses import dataclass
 import torch
 
 from buffer import ReplayBuffer, Trajectory
-from extensions.grpo import GRPOSearcher, GRPOTrainer, padded
+from extensions.grpo import (
+    GRPOSearcher,
+    GRPOTrainer,
+    checked_split_rows,
+    require_token_logprobs,
+    sequence_normalizer,
+    split_rows,
+    token_lists,
+)
 from plumbing.config import ConfigError, check_bounds, knob, need
 from plumbing.metrics import offpolicy_metrics
 from plumbing.models import load_causal_lm
@@ -79,8 +99,21 @@ from searcher import SearcherSetup
 from tba import TBAConfig, group_token_logprobs
 from trainer import Parts, Trainer
 
-# The released TBA′ MATH config (MATH_experiments/TBA_qwen_b005_async10_reset50_IS), as flags.
-PRIME_VALUES: dict = dict(tb_prime=True, prime_is=True, async_level=10, ref_reset_every=50)
+# The released TBA′ MATH config (MATH_experiments/TBA_qwen_b005_async10_reset50_IS, the code
+# of commit 71c1716 and PRIME-RL's AdamW defaults), as flags.
+PRIME_VALUES: dict = dict(
+    tb_prime=True,
+    prime_is=True,
+    async_level=10,
+    ref_reset_every=50,
+    prime_kl_from="asymmetric",
+    prime_kl_clamp=10.0,
+    prime_norm="sequence",
+    adam_beta1=0.9,
+    adam_beta2=0.99,
+    weight_decay=0.01,
+)
+TORCH_BETAS = (0.9, 0.999)  # torch's AdamW's, the core's
 
 
 @dataclass
@@ -102,9 +135,24 @@ class PrimeConfig:
     )
     prime_kl_from: str = knob(
         "policy",
-        "TBA′'s advantage: KL = log pi - log p_ref of the policy being trained (released "
-        "default; a prompt's responses in one pass) | behaviour: of the weights that sampled "
-        "them, so that a --micro_batch_size below K splits a prompt's responses over passes",
+        "TBA′'s advantage: KL = log pi - log p_ref and its group mean of the policy being "
+        "trained (a prompt's responses in one pass) | behaviour: both of the weights that "
+        "sampled them | asymmetric: each response's of the policy, the group mean of the "
+        "sampler's (the released MATH runs); the last two let a --micro_batch_size below K "
+        "split a prompt's responses over passes",
+        choices=("policy", "behaviour", "asymmetric"),
+    )
+    prime_kl_clamp: float = knob(
+        0.0,
+        "TBA′'s advantage: each token's log pi - log p_ref clamped to [-c, c] before KL's sum "
+        "(released: 10); 0: no clamp",
+        at_least=0.0,
+    )
+    prime_norm: str = knob(
+        "tokens",
+        "TBA′'s loss: tokens: one token mean over the batch | sequence: each response's sum "
+        "over its own length, prompt included, then a mean over responses (released)",
+        choices=("tokens", "sequence"),
     )
     ref_reset_every: int = knob(
         0,
@@ -118,13 +166,17 @@ class PrimeConfig:
         "most A versions behind (released: 10); 0: the core's replay buffer",
         at_least=0,
     )
+    adam_beta1: float = knob(
+        0.9, "AdamW's beta1, over any loss (torch's; released TBA′: 0.9)", at_least=0.0
+    )
+    adam_beta2: float = knob(
+        0.999, "AdamW's beta2, over any loss (torch's; released TBA′: 0.99)", at_least=0.0
+    )
 
     def __post_init__(self) -> None:
         check_bounds(self)  # the bounds each knob declares
-        need(
-            self.prime_kl_from in ("policy", "behaviour"),
-            f"--prime_kl_from {self.prime_kl_from!r} is not one of policy, behaviour",
-        )
+        for name in ("adam_beta1", "adam_beta2"):
+            need(getattr(self, name) < 1, f"--{name} must be < 1, got {getattr(self, name)}")
 
     def searchers_needed(self) -> bool:
         """Whether the searchers must be TBA′'s (``PrimeSearcher``)."""
@@ -133,7 +185,8 @@ class PrimeConfig:
 
 def install(parts: Parts, cfg: PrimeConfig) -> Parts:
     """``parts`` with what ``cfg`` turns on: the TBA′ loss (over the TB trainer only), the
-    resetting reference (over any loss), the async level (over any), and TBA′'s searchers
+    resetting reference (over any loss), the async level (over any), AdamW's betas (over any),
+    and TBA′'s searchers
     (``PrimeSearcher``: per-token log-probs, the reference reset). Call it after the losses'
     installs (extensions/grpo.py, extensions/offpolicy.py) and before checks.install, and
     ``configure`` after that."""
@@ -153,6 +206,8 @@ def install(parts: Parts, cfg: PrimeConfig) -> Parts:
         trainer = type(f"Reset{trainer.__name__}", (ResetTrainer, trainer), {})
     if cfg.async_level > 0:
         trainer = type(f"Once{trainer.__name__}", (OnceTrainer, trainer), {})
+    if (cfg.adam_beta1, cfg.adam_beta2) != TORCH_BETAS:
+        trainer = type(f"Betas{trainer.__name__}", (BetasTrainer, trainer), {})
     if trainer is parts.trainer and not cfg.searchers_needed():
         return parts
     trainer.prime = cfg
@@ -186,24 +241,41 @@ def configured_searcher(make, setup: SearcherSetup, prime: PrimeConfig):
 # ----------------------------------------------------------------------------- 4. the loss
 
 
-def prime_advantages(reward: torch.Tensor, kl: torch.Tensor, beta: float) -> torch.Tensor:
+def prime_advantages(
+    reward: torch.Tensor, kl: torch.Tensor, beta: float, centre_kl: torch.Tensor | None = None
+) -> torch.Tensor:
     """TBA′'s advantages (P, K), fp64, detached, for ``reward`` and ``kl`` (P, K): K responses to
     each of P prompts, kl_i = log pi(y_i|x) - log p_ref(y_i|x) summed over the response.
 
-        A_i = (r_i - mean_K r) - beta (kl_i - mean_K kl)  =  R_i - mean_K R,  R = r - beta kl
+        A_i = (r_i - mean_K r) - beta (kl_i - mean_K c)      c = centre_kl, else kl
 
     the released ``tba_loss``'s advantage (its log Z is the group's mean reward, its KL term
-    centred on the group's mean). In TB's terms, A_i = -beta (d_i - mean_K d) with
-    d = log pi - log p_ref - r / beta: the residual tba.tb_loss pushes on, times -beta."""
-    if reward.dim() != 2 or reward.shape != kl.shape:
+    centred on a group mean). With c = kl, A_i = R_i - mean_K R for R = r - beta kl, and in
+    TB's terms A_i = -beta (d_i - mean_K d) with d = log pi - log p_ref - r / beta: the residual
+    tba.tb_loss pushes on, times -beta; A then sums to zero over a group. The released MATH
+    runs centre the policy's kl on the mean of the sampler's (``centre_kl``, the same shape),
+    and then the KL part of A sums to -beta K (mean kl - mean c) over a group, not zero."""
+    centre = kl if centre_kl is None else centre_kl
+    if reward.dim() != 2 or reward.shape != kl.shape or centre.shape != kl.shape:
         raise ValueError(
-            f"prime_advantages: reward and kl must share a (P, K) shape, got "
-            f"{tuple(reward.shape)}, {tuple(kl.shape)}"
+            f"prime_advantages: reward, kl and centre_kl must share a (P, K) shape, got "
+            f"{tuple(reward.shape)}, {tuple(kl.shape)}, {tuple(centre.shape)}"
         )
     if beta <= 0:
         raise ValueError(f"prime_advantages: beta must be > 0, got {beta}")
-    soft = reward.detach().double() - beta * kl.detach().double()
-    return soft - soft.mean(dim=1, keepdim=True)
+    r = reward.detach().double()
+    kl_part = kl.detach().double() - centre.detach().double().mean(dim=1, keepdim=True)
+    return (r - r.mean(dim=1, keepdim=True)) - beta * kl_part
+
+
+def clamped_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, clamp: float):
+    """KL_i = sum_t m_it clamp(logp_it - ref_it, -clamp, clamp) of (B, T) per-token log-probs
+    (no clamp when ``clamp`` is 0), (B,) fp64, detached: the released per-token clamp."""
+    m = mask.bool()
+    diff = logp.detach().double() - ref_logp.detach().double()
+    if clamp > 0:
+        diff = diff.clamp(min=-clamp, max=clamp)
+    return torch.where(m, diff, 0.0).sum(dim=1)
 
 
 def prime_tb_loss(
@@ -213,7 +285,7 @@ def prime_tb_loss(
     advantages: torch.Tensor,
     importance_sampling: bool = True,
     ratio_cap: float = 8.0,
-    normalizer: float | None = None,
+    normalizer: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """TBA′'s loss, TB's gradient per token (bbartoldson/tba-prime ``tba_loss``). Needs only
     torch; copy it anywhere.
@@ -221,11 +293,13 @@ def prime_tb_loss(
     Shapes: ``logp`` (B, T) = log pi_theta(y_t | x, y_<t) of each scored token (carries the
     gradient), ``behaviour_logp`` (B, T) the same under pi_b, the weights that sampled the
     response, ``mask`` (B, T) 1 on scored tokens; ``advantages`` (B,) one per response,
-    ``prime_advantages(...).reshape(-1)`` (prompt-major rows, detached). Returns a scalar, fp32.
+    ``prime_advantages(...).reshape(-1)`` (prompt-major rows, detached). ``normalizer``: None,
+    the batch's scored tokens; a number; or a (B,) tensor, row i's sum over its own entry (the
+    released per-sequence mean: grpo.sequence_normalizer). Returns a scalar, fp32.
 
         w_t   = min(exp(logp_t - behaviour_t), ratio_cap)    (importance_sampling)
-        loss  = -sum_it m_it w_it A_i / N                     (N = sum m, or ``normalizer``)
-        loss  = -sum_it m_it logp_it A_i / N                  (no importance sampling)
+        loss  = -sum_i (sum_t m_it w_it A_i) / N_i            (N_i = N, or normalizer[i])
+        loss  = -sum_i (sum_t m_it logp_it A_i) / N_i         (no importance sampling)
 
     The gradient is -sum_it m_it w_it A_i grad logp_it / N: each token pushed by its response's
     advantage, weighted by its ratio to the sampler; a token whose ratio is over the cap gives
@@ -255,7 +329,12 @@ def prime_tb_loss(
         )
     if ratio_cap <= 1:
         raise ValueError(f"prime_tb_loss: ratio_cap must be > 1, got {ratio_cap}")
-    if normalizer is not None and normalizer <= 0:
+    if isinstance(normalizer, torch.Tensor):
+        if normalizer.shape != logp.shape[:1] or not (normalizer > 0).all():
+            raise ValueError(
+                f"prime_tb_loss: a normalizer tensor must be ({logp.shape[0]},), every entry > 0"
+            )
+    elif normalizer is not None and normalizer <= 0:
         raise ValueError(f"prime_tb_loss: normalizer must be > 0, got {normalizer}")
     m = mask.bool()
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
@@ -267,6 +346,8 @@ def prime_tb_loss(
     else:
         weight = lp
     per_token = torch.where(m, -weight * adv, zero)
+    if isinstance(normalizer, torch.Tensor):  # each row over its own denominator
+        return (per_token.sum(dim=1) / normalizer.to(per_token)).sum()
     return per_token.sum() / (normalizer if normalizer is not None else m.sum().clamp(min=1))
 
 
@@ -279,70 +360,74 @@ class PrimeTrainer(Trainer):
     prime: PrimeConfig = PrimeConfig(tb_prime=True)
 
     def __init__(self, cfg: TBAConfig, device: torch.device, pad_id: int, eos_id: int):
-        rows = split_rows(cfg)
+        rows = checked_split_rows(cfg)
         if rows and self.prime.prime_kl_from == "policy":
             raise ConfigError(
                 f"--micro_batch_size {rows} splits a prompt's {cfg.responses_per_prompt} "
                 "responses, but TBA′'s advantage from the policy's KL needs them in one pass: "
-                "--prime_kl_from behaviour, or --micro_batch_size 0 or at least K"
-            )
-        if rows and cfg.responses_per_prompt % rows:
-            raise ConfigError(
-                f"--micro_batch_size {rows} must divide --responses_per_prompt "
-                f"{cfg.responses_per_prompt}: a pass holds whole parts of one prompt's group"
+                "--prime_kl_from behaviour or asymmetric, or --micro_batch_size 0 or at least K"
             )
         super().__init__(cfg, device, pad_id, eos_id)
 
     def backward(self, groups: list[list[Trajectory]], beta: float) -> dict[str, float]:
         """4. prime_tb_loss over ``micro_batches`` of whole prompt groups, or of parts of
-        ``micro_batch_size`` responses when that is below K (their advantages computed first,
-        from the sampler's KL: ``split_rows``), each pass's token sum over the whole batch's
-        token count: the passes sum to the loss on the whole batch. Reads the per-token log
-        pi_b the searchers record (``Trajectory.token_logprobs``, PrimeSearcher's), and log
-        p_ref summed."""
+        ``micro_batch_size`` responses when that is below K (``split_rows``), each pass's sum
+        over the whole batch's token count (``prime_norm`` tokens) or over each response's
+        own length times the batch's responses (sequence, grpo.sequence_normalizer): the passes
+        sum to the loss on the whole batch. The group's part of each advantage is known before
+        any pass when it comes from the sampler (``prime_kl_from`` behaviour, asymmetric).
+        Reads the per-token log pi_b the searchers record (``Trajectory.token_logprobs``,
+        PrimeSearcher's), and log p_ref summed, or per token where ``prime_kl_clamp`` clamps
+        each token's term."""
         prime = self.prime
-        for t in (t for g in groups for t in g):
-            if t.token_logprobs is None:
-                raise ValueError(
-                    f"--tb_prime: a trajectory of prompt {t.prompt_id!r} has no per-token "
-                    "behaviour log-probs (made by a searcher that is not TBA′'s)"
-                )
+        clamp = prime.prime_kl_clamp
+        require_token_logprobs(groups, "--tb_prime")
         items = sum(len(g) for g in groups)
         tokens = sum(len(t.token_logprobs["behaviour"]) for g in groups for t in g)
-        advantage_of = {}  # from the sampler's KL: known before any pass
-        if prime.prime_kl_from == "behaviour":
+        before = {}  # id(item) -> its advantage (behaviour), or the part not its own KL's
+        if prime.prime_kl_from != "policy":
             for group in groups:
                 reward = torch.tensor([[t.reward for t in group]], dtype=torch.float64)
-                kl = torch.tensor([[t.behaviour_logprob - t.ref_logprob for t in group]])
-                for t, a in zip(group, prime_advantages(reward, kl, beta)[0].tolist(), strict=True):
-                    advantage_of[id(t)] = a
+                sampler = torch.tensor([[sampler_kl(t, clamp) for t in group]])
+                if prime.prime_kl_from == "behaviour":
+                    adv = prime_advantages(reward, sampler, beta)
+                else:  # A is linear in the item's own KL: all but -beta KL_i is the group's
+                    adv = prime_advantages(reward, torch.zeros_like(sampler), beta, sampler)
+                for t, a in zip(group, adv[0].tolist(), strict=True):
+                    before[id(t)] = a
         units = groups
         rows = split_rows(self.cfg)
         if rows:  # parts of a group, one a pass (the core's passes: max(1, rows // K) groups)
             units = [g[i : i + rows] for g in groups for i in range(0, len(g), rows)]
-        sums = dict.fromkeys(("loss", "logp", "ratio", "capped", "kl", "adv"), 0.0)
+        sums = dict.fromkeys(("loss", "logp", "ratio", "capped", "kl", "kl_clamped", "adv"), 0.0)
         rhos = []
         for chunk in self.micro_batches(units):
             flat = [t for part in chunk for t in part]
             logp, mask = self.score(chunk, group_token_logprobs)  # per token
-            for t, n in zip(flat, mask.sum(1).tolist(), strict=True):
-                if len(t.token_logprobs["behaviour"]) != n:
-                    raise ValueError(
-                        f"--tb_prime: prompt {t.prompt_id!r}: {n} scored tokens, but "
-                        f"{len(t.token_logprobs['behaviour'])} behaviour log-probs recorded"
-                    )
-            old = padded([t.token_logprobs["behaviour"] for t in flat], logp.shape[1], self.device)
+            keys = ("behaviour", "reference") if clamp > 0 else ("behaviour",)
+            old, *ref = token_lists(flat, mask, keys, "--tb_prime")
             sequence = logp.detach().double().sum(1)
-            ref = torch.tensor([t.ref_logprob for t in flat], dtype=torch.float64)
-            kl = sequence.cpu() - ref
+            if clamp > 0:  # each token's log-ratio to p_ref clamped, as released
+                kl = clamped_kl(logp, ref[0], mask, clamp).cpu()
+                diff = (logp.detach() - ref[0]).abs()
+                sums["kl_clamped"] += int((mask.bool() & (diff > clamp)).sum())
+            else:
+                ref_sum = torch.tensor([t.ref_logprob for t in flat], dtype=torch.float64)
+                kl = sequence.cpu() - ref_sum
             if prime.prime_kl_from == "policy":
                 reward = torch.tensor([[t.reward for t in part] for part in chunk])
                 adv = prime_advantages(reward, kl.view(reward.shape), beta).reshape(-1)
             else:
-                adv = torch.tensor([advantage_of[id(t)] for t in flat], dtype=torch.float64)
+                adv = torch.tensor([before[id(t)] for t in flat], dtype=torch.float64)
+                if prime.prime_kl_from == "asymmetric":
+                    adv = adv - beta * kl  # the item's own KL, of the policy being trained
             adv = adv.to(self.device)
+            if prime.prime_norm == "sequence":
+                normalizer = sequence_normalizer(flat, items, self.device)
+            else:
+                normalizer = float(max(tokens, 1))
             loss = prime_tb_loss(
-                logp, old, mask, adv, prime.prime_is, prime.prime_ratio_cap, normalizer=tokens
+                logp, old, mask, adv, prime.prime_is, prime.prime_ratio_cap, normalizer
             )
             loss.backward()
             m = mask.bool()
@@ -360,6 +445,7 @@ class PrimeTrainer(Trainer):
             "prime/ratio_mean": sums["ratio"] / max(tokens, 1),  # pi / pi_b per token
             "prime/capped_frac": sums["capped"] / max(tokens, 1),  # tokens over the cap
             "prime/kl_mean": sums["kl"] / items,  # log pi - log p_ref of a response
+            "prime/kl_clamped_frac": sums["kl_clamped"] / max(tokens, 1),  # past +-clamp
             "prime/adv_abs_mean": sums["adv"] / items,
             "policy/logp_mean": sums["logp"] / items,
             **offpolicy_metrics(torch.cat(rhos), 0, items),  # rows: groups, or equal parts
@@ -368,11 +454,30 @@ class PrimeTrainer(Trainer):
         return metrics
 
 
-def split_rows(cfg: TBAConfig) -> int:
-    """Responses per pass when ``micro_batch_size`` is below K (a prompt's responses split over
-    passes: TBA′'s loss with the sampler's KL, the references' scoring); 0: whole groups."""
-    size = cfg.micro_batch_size
-    return size if 0 < size < cfg.responses_per_prompt else 0
+def sampler_kl(t: Trajectory, clamp: float) -> float:
+    """KL_i of the weights that sampled ``t``: log pi_b - log p_ref summed over its tokens, each
+    token's term clamped to [-clamp, clamp] when ``clamp`` > 0 (its per-token lists)."""
+    if clamp <= 0:
+        return t.behaviour_logprob - t.ref_logprob
+    lists = t.token_logprobs
+    pairs = zip(lists["behaviour"], lists["reference"], strict=True)
+    return math.fsum(min(max(b - r, -clamp), clamp) for b, r in pairs)
+
+
+class BetasTrainer(Trainer):
+    """The trainer whose AdamW has the betas ``--adam_beta1``, ``--adam_beta2`` (``install``
+    sets ``prime``): PRIME-RL's (0.9, 0.99) for the released runs, over any loss."""
+
+    prime: PrimeConfig = PrimeConfig(adam_beta2=0.99)
+
+    def make_optimizer(self):
+        """4. The core's AdamW and schedule, with these betas in every parameter group."""
+        optimizer, scheduler = super().make_optimizer()
+        betas = (self.prime.adam_beta1, self.prime.adam_beta2)
+        optimizer.defaults["betas"] = betas
+        for group in optimizer.param_groups:
+            group["betas"] = betas
+        return optimizer, scheduler
 
 
 class ResetTrainer(Trainer):
