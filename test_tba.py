@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import multiprocessing
 import time
 from pathlib import Path
@@ -37,7 +38,7 @@ from tba import (
     tb_loss,
     wsd_lr_factor,
 )
-from trainer import run_tba
+from trainer import Parts, Trainer, run_tba
 
 REPO = Path(__file__).resolve().parent
 
@@ -602,7 +603,9 @@ def tiny_examples(n: int = 24) -> list[dict]:
 
 
 def tiny_cfg(model_dir: str, out: Path, **overrides) -> TBAConfig:
-    """Two searchers and a trainer on the CPU, small enough for a test."""
+    """Two searchers and a trainer on the CPU, small enough for a test. Every wait's timeout is
+    3 minutes: a hang, where two searchers' start took over a minute at a load of 20 on two
+    cores."""
     values = dict(
         num_searchers=2,
         num_generations=4,
@@ -618,7 +621,7 @@ def tiny_cfg(model_dir: str, out: Path, **overrides) -> TBAConfig:
         beta_start=1.0,
         beta_end=1.0,
         output_dir=str(out),
-        timeout_s=60,
+        timeout_s=180,
         max_searcher_restarts=0,
     )
     values.update(overrides)
@@ -637,12 +640,45 @@ def pace(trainer, metrics):
         time.sleep(1.0)
 
 
+class ReadsBackTrainer(Trainer):
+    """The core's trainer that, after each publish, reads the store back as a searcher does:
+    ``published[version]`` holds the weights that version sent out, flattened."""
+
+    def publish(self, store: WeightStore) -> float:
+        seconds = super().publish(store)
+        read = {}
+        version, _ = store.load_into(lambda named: read.update(weights=flat_weights(named)))
+        self.published = {**getattr(self, "published", {}), version: read["weights"]}
+        return seconds
+
+
+def flat_weights(named) -> torch.Tensor:
+    """(name, tensor) pairs as one flat fp32 copy."""
+    return torch.cat([t.detach().flatten().float() for _, t in named]).clone()
+
+
 def test_system_async_two_searchers(tiny_model_dir, tmp_path):
-    """The whole system: two searcher processes and the trainer, 24 steps, publishing every 2."""
+    """The whole system: two searcher processes and the trainer, 24 steps, publishing every 2.
+    It trains: the loss is finite at every step, and the weights published (read back from the
+    store the searchers load) move away from the model the run started from."""
     cfg = tiny_cfg(tiny_model_dir, tmp_path)
-    trainer = run_tba(cfg, tiny_examples(), digit_reward, on_step=pace, show_progress=False)
+    trainer = run_tba(
+        cfg,
+        tiny_examples(),
+        digit_reward,
+        parts=Parts(trainer=ReadsBackTrainer),
+        on_step=pace,
+        show_progress=False,
+    )
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 25)) and trainer.step == 24
+    assert all(math.isfinite(r["loss/tb"]) for r in rows)
+    start = flat_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    assert sorted(trainer.published) == list(range(0, 25, 2))
+    assert torch.equal(trainer.published[0], start)
+    assert torch.equal(trainer.published[24], flat_weights(trainer.model.named_parameters()))
+    moved = [(trainer.published[v] - start).norm().item() for v in (2, 24)]
+    assert moved[1] > moved[0] > 0, f"published weights moved {moved} from the start"
     # Trajectories arrived from both searchers, and both moved on to newer weights.
     last = rows[-1]
     assert last["searcher0/version"] > 0 and last["searcher1/version"] > 0

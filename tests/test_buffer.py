@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import re
 
@@ -142,6 +143,65 @@ def test_buffer_inv_temp_zero_is_uniform_and_large_picks_best():
     for _ in range(50):
         picked = sorted(t.reward for t in greedy.sample(1, 3)[0][0])
         assert picked == [7.0, 8.0, 9.0]
+
+
+# Pearson's chi-square with 3 degrees of freedom (4 items) exceeds 30.7 with probability 1e-6.
+CHI2_3DOF_1E6 = 30.7
+
+
+@pytest.mark.parametrize("inv_temp", [1.0, 2.5])
+def test_buffer_draws_a_short_group_with_replacement_by_softmax_of_reward(inv_temp):
+    """A replayed prompt holding fewer items than K (the TL;DR preset's inv_temp = 1): its K
+    items are drawn with replacement, each with probability softmax(reward * inv_temp). The
+    counts of 16,000 draws against that distribution: honest seeds give chi-square 0-11 here;
+    a temperature 20% off gives about 300, uniform draws thousands."""
+    rewards = [0.0, 0.5, 1.0, 2.0]
+    buf = ReplayBuffer(capacity=8, mop_prob=0.0, inv_temp=inv_temp, seed=11)
+    for j, reward in enumerate(rewards):
+        buf.add(traj("p", [j], reward=reward))
+    counts = [0] * len(rewards)
+    for _ in range(2000):
+        (group,), (mop,) = buf.sample(1, 8)
+        assert not mop and len(group) == 8
+        for t in group:
+            counts[t.response_tokens[0]] += 1
+    weights = [math.exp(inv_temp * r) for r in rewards]
+    expected = [sum(counts) * w / sum(weights) for w in weights]
+    chi2 = sum((c - e) ** 2 / e for c, e in zip(counts, expected, strict=True))
+    assert chi2 < CHI2_3DOF_1E6, f"counts {counts}, softmax(reward * {inv_temp}) expects {expected}"
+
+
+def test_buffer_late_duplicate_of_an_older_version_replaces_its_copy_in_version_order():
+    """A response that arrives again from an older version after its newer copy (a searcher
+    still on older weights delivers late): the later arrival replaces the copy (the newest
+    reward, log-probs and version win, buffer.py's rule) and takes its version's place, so the
+    group stays ordered by version: the most-on-policy items are the newest version's, the
+    late copy is evicted as the old item it is, and the per-version counts follow."""
+    buf = ReplayBuffer(capacity=3, mop_prob=1.0, seed=0)
+    buf.add(traj("p", [10], reward=0.0, version=2))
+    buf.add(traj("p", [11], reward=0.0, version=4))
+    buf.add(traj("p", [12], reward=1.0, version=5))
+    buf.add(traj("p", [12], reward=0.5, version=3))  # [12] again, late, from version 3
+    group = buf.by_prompt["p"]
+    assert [(t.response_tokens, t.version, t.reward) for t in group] == [
+        ([10], 2, 0.0),
+        ([12], 3, 0.5),
+        ([11], 4, 0.0),
+    ]
+    assert (len(buf), buf.num_added, buf.newest_version) == (3, 4, 5)
+    assert buf.stats(5)["buffer/age_mean"] == pytest.approx((3 + 2 + 1) / 3)
+    (drawn,), (mop,) = buf.sample(1, 2)  # most-on-policy: the version-4 item, twice
+    assert mop and [t.response_tokens for t in drawn] == [[11], [11]]
+    buf.add(traj("p", [13], version=6))  # full: the oldest goes, [10]
+    buf.add(traj("p", [14], version=7))  # and then the late copy
+    assert [(t.response_tokens, t.version) for t in buf.by_prompt["p"]] == [
+        ([11], 4),
+        ([13], 6),
+        ([14], 7),
+    ]
+    buf.add(traj("p", [12], version=8))  # evicted, so a new item, not a replacement
+    assert [t.response_tokens for t in buf.by_prompt["p"]] == [[13], [14], [12]]
+    assert buf.stats(8)["buffer/age_mean"] == pytest.approx((2 + 1 + 0) / 3)
 
 
 def test_buffer_state_round_trip(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import statistics
 import types
 
 import pytest
@@ -25,7 +26,7 @@ def test_every_loaded_version_is_the_published_one(tiny_model_dir, tmp_path):
     searcher reports the checksum of the version it holds after each load: the two agree, and
     training really changed the weights."""
     cfg = tiny_cfg(tiny_model_dir, tmp_path, total_steps=16)
-    with time_limit(120):
+    with time_limit(240):  # a hang: 49 s at a load of 10 on two cores
         trainer = run_tba(
             cfg,
             tiny_examples(),
@@ -75,10 +76,20 @@ def test_smoke_preset_reports_step_time_memory_mop_and_lag(tiny_model_dir, tmp_p
             )
         )
     summary = results["summary"]
-    assert summary["steps"] == 10 and summary["seconds_per_step_median"] > 0
-    assert set(summary["peak_memory_gb"]) == {"trainer", "searcher0"}
-    assert all(0 < gb < 24 for gb in summary["peak_memory_gb"].values())
-    assert 0 <= summary["mop_frac"] <= 1 and summary["lag_max"] >= summary["lag_mean"] >= 0
+    # The summary is this run's metrics.jsonl, each number of its own key.
+    rows = read_metrics(tmp_path / "out")
+    assert summary["steps"] == len(rows) == 10
+    assert summary["seconds_per_step_median"] == statistics.median(r["time/step"] for r in rows)
+    assert summary["initial_fill_s"] == rows[0]["time/wait"]
+    assert summary["mop_frac"] == pytest.approx(statistics.fmean(r["async/mop_frac"] for r in rows))
+    assert summary["lag_mean"] == pytest.approx(statistics.fmean(r["async/lag_mean"] for r in rows))
+    assert summary["lag_max"] == max(r["async/lag_max"] for r in rows)
+    peaks = {"trainer": "memory/trainer_peak_gb", "searcher0": "searcher0/peak_mem_gb"}
+    assert summary["peak_memory_gb"] == {
+        k: max(r.get(v, 0) for r in rows) for k, v in peaks.items()
+    }
+    # In GB: a process holding torch and a model takes a few hundred MB (not MB, not bytes).
+    assert all(0.1 < gb < 24 for gb in summary["peak_memory_gb"].values())
     assert results["test_size"] == 30 and results["config"]["dtype"] == "bfloat16"
     assert results["config"]["parity_check"]
     assert summary["weights"].startswith("weights reached every searcher (searcher0 up to version")

@@ -5,6 +5,8 @@ and no traceback; a bug keeps its traceback (cli.run_cli)."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
 import signal
 import subprocess
@@ -15,13 +17,14 @@ import pytest
 import torch
 
 import run_gsm8k
-from extensions import report
+from extensions import launch, report
 from extensions.cli import run_cli
 from extensions.tiny import cpu_config, save_tiny_model
-from helpers import cli_run, stop_run, wait_for_rows
+from helpers import cli_run, project_modules, stop_run, wait_for_rows
 from jobs import run_redteam, run_tldr
-from plumbing.config import ConfigError, RunError
+from plumbing.config import ConfigError, RunError, SystemConfig
 from plumbing.processes import SearcherFailed
+from tba import TBAConfig
 from tools import bench
 from trainer import Trainer
 
@@ -68,9 +71,11 @@ def test_gsm8k_data_missing_or_malformed_names_the_file_and_line(capsys, tmp_pat
 
 
 def test_other_jobs_refuse_in_one_line(capsys, tmp_path):
-    got, lines = failure(capsys, run_tldr.main, ["--preset", "paper", "--data_dir", str(tmp_path)])
+    fresh = ["--output_dir", str(tmp_path / "run")]  # not the default, which may hold a run
+    argv = ["--preset", "paper", "--data_dir", str(tmp_path), *fresh]
+    got, lines = failure(capsys, run_tldr.main, argv)
     assert (got, "TL;DR data not found") == (1, lines[0].split(": error: ")[1][:20])
-    got, lines = failure(capsys, run_redteam.main, ["--preset", "paper"])
+    got, lines = failure(capsys, run_redteam.main, ["--preset", "paper", *fresh])
     assert got == 2 and "the paper preset needs --model" in lines[0]
     got, lines = failure(capsys, report.main, [str(tmp_path)])
     assert got == 1 and f"no metrics.jsonl in {tmp_path}" in lines[0]
@@ -146,7 +151,7 @@ def test_signal_inside_a_callback_stops_the_job_in_one_line():
     try:
         assert proc.stdout.readline().strip() == "in callback"
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=20)
+        _, err = proc.communicate(timeout=60)  # a dropped signal ends it at 33 s, status 0
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, err
@@ -159,6 +164,86 @@ def test_searcher_failure_is_a_run_error():
     """A dead searcher's message is its own traceback, printed by run_cli without the trainer's
     (test_system checks the message itself)."""
     assert issubclass(SearcherFailed, RunError)
+
+
+def knob_configs() -> list[type]:
+    """Every config of the project: a dataclass, declared in a module of plumbing, the core,
+    extensions, jobs or tools, whose fields are knobs (``plumbing.config.knob``: help text in
+    the metadata)."""
+    found = []
+    for name in sorted(project_modules()):
+        for value in vars(importlib.import_module(name)).values():
+            if (
+                isinstance(value, type)
+                and value.__module__ == name
+                and dataclasses.is_dataclass(value)
+                and any("help" in f.metadata for f in dataclasses.fields(value))
+            ):
+                found.append(value)
+    return found
+
+
+# Where the nearest value outside each kind of bound lies, and its edge inside, in steps from
+# the bound: at_least 3 refuses 2 and takes 3, above 0 refuses 0 and takes 0.001.
+EDGES = {"at_least": (-1, 0), "above": (0, 1), "at_most": (1, 0)}
+
+
+def bound_cases() -> list:
+    """(config, knob, bound, a value outside the bound, the values at its edge inside it) for
+    every bound a knob declares (``at_least``, ``above``, ``at_most``, ``choices``), from the
+    dataclass metadata: a knob added with a bound is checked here without a line of test."""
+    cases = []
+    for config in knob_configs():
+        for f in dataclasses.fields(config):
+            kind = type(f.default)
+            step = 1 if kind is int else 1e-3  # the nearest value outside a bound, or inside
+            meta = f.metadata
+            for bound, (out, edge) in EDGES.items():
+                if meta.get(bound) is not None:
+                    outside, inside = meta[bound] + out * step, meta[bound] + edge * step
+                    case = (config, f.name, bound, kind(outside), [kind(inside)])
+                    cases.append(pytest.param(*case, id=f"{config.__name__}.{f.name}.{bound}"))
+            if meta.get("choices") is not None:
+                case = (config, f.name, "choices", "not_a_choice", list(meta["choices"]))
+                cases.append(pytest.param(*case, id=f"{config.__name__}.{f.name}.choices"))
+    return cases
+
+
+def own_bound_message(name: str, bound: str, value) -> str:
+    """What ``plumbing.config.check_bounds`` says of ``value`` outside ``name``'s ``bound``,
+    without the bound's number."""
+    if bound == "choices":
+        return f"--{name} {value!r} is not one of"
+    sign = {"at_least": ">=", "above": ">", "at_most": "<="}[bound]
+    return f"--{name} must be {sign}"
+
+
+@pytest.mark.parametrize("config, name, bound, outside, inside", bound_cases())
+def test_every_knobs_bound_refuses_a_value_outside_it_naming_the_flag(
+    config, name, bound, outside, inside
+):
+    """Each bound a knob declares, of every config (the core's, each extension's, each job's),
+    violated once: a ConfigError that names the flag and the value (one line on stderr,
+    test_gsm8k_job_refuses_in_one_line). The value at the bound's edge inside it is not refused
+    by that bound (a combination with other knobs may refuse it, naming them)."""
+    with pytest.raises(ConfigError) as refused:
+        config(**{name: outside})
+    message = str(refused.value)
+    assert message.startswith(f"--{name} ") and str(outside) in message, message
+    for value in inside:
+        try:
+            config(**{name: value})
+        except ConfigError as error:
+            assert not str(error).startswith(own_bound_message(name, bound, value)), error
+
+
+def test_the_bounds_cases_cover_every_config():
+    """The search for configs finds the core's and every extension's (an import that found
+    none would leave the test above with no case at all)."""
+    configs = knob_configs()
+    assert {SystemConfig, TBAConfig, *launch.EXTENSION_CONFIGS} <= set(configs), configs
+    bounded = {(c.values[0], c.values[1]) for c in bound_cases()}
+    assert (TBAConfig, "responses_per_prompt") in bounded and len(bounded) > 40, len(bounded)
 
 
 def test_checkpoint_that_is_not_one_or_of_another_model(tmp_path):
@@ -204,7 +289,7 @@ def test_entry_scripts_print_one_line(script, argv, status, message):
 def test_sigterm_mid_run_says_where_and_how_to_resume(tiny_model_dir, tmp_path):
     with cli_run(tiny_model_dir, tmp_path, "--total_steps", "100000") as proc:
         wait_for_rows(tmp_path, 3, proc)
-        stop_run(proc, signal.SIGTERM, wait_s=30, settle_s=10)
+        stop_run(proc, signal.SIGTERM, wait_s=60, settle_s=30)  # hangs (ProcessPool.stop)
         output = proc.stdout.read()
     assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
     last = output.strip().splitlines()[-1]

@@ -1,31 +1,20 @@
 """The layout the README promises, checked from the source: the root is the card's core, each
 layer imports only from itself and the layers below it (plumbing < the core < extensions <
-jobs < tools), buffer.py and rewards.py import nothing of the project, no module is in an
-import cycle, and the README's line counts are ``tools.linecount``'s."""
+jobs < tools), buffer.py and rewards.py import nothing of the project, and no module is in an
+import cycle (the README's line counts: tests/test_docs.py)."""
 
 from __future__ import annotations
 
 import ast
 
-from helpers import REPO
+from helpers import LAYERS, REPO, project_modules
 
 CORE = {"tba", "buffer", "searcher", "engines", "trainer", "rewards", "run_gsm8k"}
 ALONE = {"buffer", "rewards"}  # each copies out alone (DEVELOPERS.md rule 6)
-LAYERS = ("plumbing", "core", "extensions", "jobs", "tools")
 # run_gsm8k is the main job: it may assemble the extensions a flag asks for, through launch, and
 # end as every entry script does, through cli
 JOB_USES = {"extensions.cli", "extensions.launch", "extensions.tiny", "extensions.evaluate"}
 JOB_USES |= {"extensions.checks", "extensions.report"}
-
-
-def project_modules() -> dict[str, str]:
-    """Every module of the project outside tests, by dotted name, and its layer."""
-    modules = {path.stem: "core" for path in REPO.glob("*.py") if path.stem != "test_tba"}
-    for layer in LAYERS:
-        for path in (REPO / layer).glob("*.py"):
-            if path.stem != "__init__":
-                modules[f"{layer}.{path.stem}"] = layer
-    return modules
 
 
 def imports_of(name: str) -> set[str]:

@@ -378,25 +378,94 @@ def test_wandb_mode_is_online_only_with_credentials(env, netrc_text, mode, tmp_p
 
 
 def assert_png(path: Path):
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
-    assert 10_000 < len(data) < 200_000, f"{path}: {len(data)} bytes"
+    """A whole PNG (decoded to its last row) of the figure's size, 15 x 8 inches at 100 dpi,
+    with lines and text on it, not a blank figure."""
+    from PIL import Image  # matplotlib's dependency
+
+    with Image.open(path) as image:
+        image.load()  # a truncated file raises here
+        assert (image.format, image.size) == ("PNG", (1500, 800)), path
+        assert len(image.convert("RGB").getcolors(1500 * 800)) > 20, f"{path} is blank"
 
 
-def test_plot_run_draws_the_picture(run_dir):
+@pytest.fixture
+def figures(monkeypatch) -> list:
+    """The figures plot_run draws, kept as it saves them, to read what each panel holds."""
+    kept = []
+    save = report._save_png
+    monkeypatch.setattr(report, "_save_png", lambda fig, path: save(kept.append(fig) or fig, path))
+    return kept
+
+
+PANELS = {
+    "reward and evaluation, by step",
+    "reward and evaluation, by time",
+    "lag distribution (trainer step - policy version)",
+    "throughput",
+    "summary",
+}
+
+
+def panels(fig) -> dict[str, dict]:
+    """What each titled panel of ``fig`` draws, its twin axes (the evaluation's) included: the
+    labels of its lines, its bars, and its text."""
+    drawn = {}
+    for ax in fig.axes:
+        if ax.get_title():
+            axes = ax.get_shared_x_axes().get_siblings(ax)
+            drawn[ax.get_title()] = {
+                "lines": {line.get_label() for a in axes for line in a.lines},
+                "bars": sum(len(a.patches) for a in axes),
+                "text": "\n".join(t.get_text() for a in axes for t in a.texts),
+            }
+    return drawn
+
+
+def test_plot_run_draws_every_panel(run_dir, figures):
+    """A run that wrote every metric: reward and the evaluation against steps and seconds, the
+    loss, the lags as bars (12 steps: a block each, five lags), the throughput, and the
+    summary's numbers; no panel says a metric is missing. The PNG is that figure, written
+    whole, with no partial file left."""
     path = report.plot_run(run_dir)
     assert path == run_dir / "curves.png"
     assert_png(path)
     assert not list(run_dir.glob("*.partial"))
+    (fig,) = figures
+    drawn = panels(fig)
+    assert set(drawn) == PANELS | {"loss (loss/tb)"}
+    for by in ("step", "time"):
+        lines = drawn[f"reward and evaluation, by {by}"]["lines"]
+        want = {"reward/mean", "eval/accuracy (subset)", "accuracy before (test)"}
+        assert want | {"accuracy after (test)"} == lines, lines
+    assert drawn["loss (loss/tb)"]["lines"] == {"loss/tb"}
+    assert drawn["lag distribution (trainer step - policy version)"]["bars"] == 12 * 5
+    assert drawn["throughput"]["lines"] == {"samples/s"}
+    summary = drawn["summary"]["text"]
+    assert "steps: 12" in summary and "accuracy on the test set: 0.55 -> 0.8" in summary
+    assert not [title for title, d in drawn.items() if "in metrics.jsonl" in d["text"]]
 
 
-def test_plot_run_with_missing_metrics_and_a_torn_last_line(tmp_path):
+def test_plot_run_with_missing_metrics_and_a_torn_last_line(tmp_path, figures):
     """A GRPO run without evaluation, throughput or lags, killed in the middle of a line: every
-    panel still drawn, the missing ones saying so."""
+    panel still drawn, its loss from the 5 whole rows, the missing ones saying what is
+    missing."""
     rows = [{"step": s, "wall_time": 0.5 * s, "loss/grpo": 0.1 - 0.01 * s} for s in range(1, 6)]
     text = "".join(json.dumps(row) + "\n" for row in rows) + '{"step": 6, "wall'
     tmp_path.joinpath("metrics.jsonl").write_text(text)
     assert_png(report.plot_run(tmp_path))
+    drawn = panels(figures[0])
+    assert set(drawn) == PANELS | {"loss (loss/grpo)"}
+    assert drawn["loss (loss/grpo)"]["lines"] == {"loss/grpo"}
+    missing = {
+        "reward and evaluation, by step": "no reward/mean or eval/* against step",
+        "reward and evaluation, by time": "no reward/mean or eval/* against seconds",
+        "lag distribution (trainer step - policy version)": "no async/lag_0 .. async/lag_4plus",
+        "throughput": "no throughput/samples_per_s",
+    }
+    for title, says in missing.items():
+        assert drawn[title]["text"] == f"{says}\nin metrics.jsonl", title
+        assert not drawn[title]["lines"] and not drawn[title]["bars"], title
+    assert "steps: 5" in drawn["summary"]["text"]
 
 
 def test_plot_run_errors_say_what_is_wrong(tmp_path):

@@ -12,7 +12,6 @@ from transformers import (
 )
 
 from extensions.tiny import build_char_tokenizer
-from plumbing.logprobs import pad_sequences
 from rewards import gsm8k_reward
 from searcher import Searcher
 from tba import group_logprobs, group_token_logprobs, scored_tokens
@@ -100,7 +99,30 @@ def test_searcher_scores_a_batched_reward_in_one_call_in_order():
         Searcher.rewards(stub, [1, 0], [[ids[0], ids[1]], [ids[2]]])
 
 
-def test_empty_response_has_zero_logprob_and_zero_reward():
-    _ids, _attn, resp = pad_sequences([[1, 2, 3]], [[]], pad_id=0)
-    assert resp.sum() == 0
-    assert gsm8k_reward("", {"answer": "#### 3"}) == 0.0
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_empty_response_has_zero_logprob_and_zero_reward(tiny_model_dir, share_prompt):
+    """A response of only its EOS (not scored, the released rule) or of no token at all scores
+    no token: log-prob exactly 0, no gradient, a mask row of 0, and the other responses of its
+    group score as they do alone (a shared prompt's cache included). Its completion decodes to
+    the empty text, whose GSM8K reward is 0, for a gold answer of 0 too."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    prompts, groups = [[5, 6, 7], [8, 9]], [[[1], [20, 21, 1]], [[22, 23, 1], []]]
+    rule = dict(pad_id=0, eos_id=1, logprob_temperature=0.7, include_eos=False)
+    token_logp, mask = group_token_logprobs(
+        model, prompts, groups, share_prompt=share_prompt, **rule
+    )
+    assert mask.tolist() == [[0, 0], [1, 1], [1, 1], [0, 0]]
+    logp = token_logp.sum(1)
+    assert logp[0].item() == 0.0 and logp[3].item() == 0.0
+    grads = torch.autograd.grad(logp[0] + logp[3], list(model.parameters()), allow_unused=True)
+    assert all(g is None or not g.any() for g in grads)
+    for row, (prompt, response) in ((1, (prompts[0], [20, 21, 1])), (2, (prompts[1], [22, 23, 1]))):
+        alone = group_logprobs(model, [prompt], [[response]], share_prompt=False, **rule)
+        assert logp[row].item() == pytest.approx(alone.item(), abs=1e-5)
+        assert logp[row].item() < -0.1  # a scored response has a log-prob
+    tok = build_char_tokenizer()
+    stub = types.SimpleNamespace(
+        examples=[{"id": 7, "answer": "#### 0"}], tokenizer=tok, rank=0, reward_fn=gsm8k_reward
+    )
+    empty = [tok.eos_token_id]
+    assert Searcher.rewards(stub, [0], [[empty, [], tok("0")["input_ids"]]]) == [[0.0, 0.0, 1.0]]

@@ -42,7 +42,7 @@ from trainer import run_tba
 @pytest.mark.slow
 def test_system_synchronous_mode_has_zero_lag(tiny_model_dir, tmp_path):
     cfg = tiny_cfg(tiny_model_dir, tmp_path, synchronous=True, total_steps=8)
-    with time_limit(120):
+    with time_limit(240):  # a hang: 40 s at a load of 10 on two cores
         run_tba(cfg, tiny_examples(), digit_reward, show_progress=False)
     rows = read_metrics(tmp_path)
     assert len(rows) == 8
@@ -52,15 +52,14 @@ def test_system_synchronous_mode_has_zero_lag(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_system_searcher_error_fails_trainer_fast_with_traceback(tiny_model_dir, tmp_path):
-    cfg = tiny_cfg(tiny_model_dir, tmp_path, timeout_s=300)
-    start = time.monotonic()
-    with time_limit(60), pytest.raises(SearcherFailed) as info:
+    """A searcher's error stops the trainer at once with the searcher's traceback, not when a
+    wait times out: every wait's timeout is 1200 s, and the run (its processes' start included:
+    40 s at a load of 10 on two cores) must end within a quarter of that."""
+    cfg = tiny_cfg(tiny_model_dir, tmp_path, timeout_s=1200)
+    with time_limit(int(cfg.timeout_s / 4)), pytest.raises(SearcherFailed) as info:
         run_tba(cfg, tiny_examples(), failing_reward, show_progress=False)
     assert "boom: this reward always fails" in str(info.value)
     assert "searcher" in str(info.value)
-    assert (
-        time.monotonic() - start < 30
-    )  # seconds (model loading included), never the 300 s timeout
     assert child_pids() == [] and multiprocessing.active_children() == []
 
 
@@ -83,11 +82,13 @@ def test_killed_searcher_is_restarted_and_training_continues(tiny_model_dir, tmp
             # loads the newest weights, version > 5) has delivered, however slow its start.
             time.sleep(0.1)
 
-    with time_limit(150):
+    with time_limit(450):  # a hang: 95 s at a load of 10 on two cores, 141 s at 18
         trainer = run_tba(cfg, tiny_examples(), digit_reward, on_step=on_step, show_progress=False)
     rows = read_metrics(tmp_path)
     assert trainer.step == 200 and killed and noticed
-    assert noticed[0] - killed[0] < 10, "the dead searcher was noticed too late"
+    # Noticed by the pool's watch of its processes, not when a wait for data times out.
+    noticed_s = noticed[0] - killed[0]
+    assert noticed_s < cfg.timeout_s / 2, f"the dead searcher was noticed after {noticed_s:.1f} s"
     assert rows[-1]["async/searcher_restarts"] == 1
     # The restarted searcher delivered data again (with the newest weights it loaded).
     assert rows[-1]["searcher0/version"] > rows[4]["step"]
@@ -97,7 +98,7 @@ def test_killed_searcher_is_restarted_and_training_continues(tiny_model_dir, tmp
 @pytest.mark.slow
 def test_searcher_failures_past_the_limit_stop_with_checkpoint(tiny_model_dir, tmp_path):
     cfg = tiny_cfg(tiny_model_dir, tmp_path, max_searcher_restarts=1)
-    with time_limit(90), pytest.raises(SearcherFailed, match="1 restarts used of 1"):
+    with time_limit(300), pytest.raises(SearcherFailed, match="1 restarts used of 1"):
         run_tba(cfg, tiny_examples(), failing_reward, show_progress=False)
     assert (tmp_path / "checkpoint.pt").exists()
     assert child_pids() == []
@@ -107,7 +108,7 @@ def test_searcher_failures_past_the_limit_stop_with_checkpoint(tiny_model_dir, t
 def test_nan_reward_is_a_loud_error_naming_the_prompt(tiny_model_dir, tmp_path):
     cfg = tiny_cfg(tiny_model_dir, tmp_path)
     with (
-        time_limit(60),
+        time_limit(240),
         pytest.raises(SearcherFailed, match=r"reward nan for prompt id \d+ is not a finite"),
     ):
         run_tba(cfg, tiny_examples(), nan_reward, show_progress=False)
@@ -179,9 +180,9 @@ def test_sigint_writes_checkpoint_and_every_process_exits(tiny_model_dir, tmp_pa
         tiny_model_dir, tmp_path, "--total_steps", "100000", "--checkpoint_every", "1000"
     ) as proc:
         wait_for_rows(tmp_path, 4, proc)
-        assert stop_run(proc, signal.SIGINT, wait_s=30, settle_s=10) < 10, (
-            "Ctrl-C took more than 10 s"
-        )
+        # A hang, not a slow stop: 7-10 s at a load of 18 on two cores; the pool waits 10 s for
+        # its searchers, then terminates and kills them, 3 s each (ProcessPool.stop).
+        stop_run(proc, signal.SIGINT, wait_s=60, settle_s=30)
         assert session_pids(proc.pid) == [], "a process of the run survived Ctrl-C"
         assert proc.returncode == 128 + signal.SIGINT
         state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
@@ -200,10 +201,10 @@ def test_sigkill_then_resume_continues_from_the_checkpoint(tiny_model_dir, tmp_p
         "--checkpoint_every",
         "0",
     ) as proc:
-        wait_for_rows(tmp_path, 9, proc)
-        stop_run(
-            proc, signal.SIGKILL, wait_s=10, settle_s=15
-        )  # the trainer only: searchers must notice
+        wait_for_rows(tmp_path, 9, proc, timeout=200)
+        # the trainer only: its searcher must notice, within a batch (it checks between
+        # batches, and every 0.5 s while its queue is full): 4-6 s at a load of 18
+        stop_run(proc, signal.SIGKILL, wait_s=10, settle_s=60)
         assert session_pids(proc.pid) == [], "a searcher outlived its killed trainer"
     killed_at = len((tmp_path / "metrics.jsonl").read_text().splitlines())
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["trainer"]["step"]
@@ -218,11 +219,17 @@ def test_sigkill_then_resume_continues_from_the_checkpoint(tiny_model_dir, tmp_p
     assert results["steps"] == saved + 4
 
 
+# Greedy accuracy on the 100 held-out sums rose 0.22-0.25 in 6 runs of this test's first part
+# (0.57 -> 0.79-0.82, median rise 0.23, sd 0.01; the warm start is the same each time, the
+# asynchrony is not), and 0.00 in a run whose reward was always 0; half the least rise.
+HELD_OUT_RISE = 0.10
+
+
 @pytest.mark.slow
 def test_tiny_preset_end_to_end_learns_saves_and_resumes(tmp_path, monkeypatch):
     """run_gsm8k's tiny preset, shortened for CI: the real warm start, TBA through the whole
-    multi-process system, then checks that the reward rises, outputs load, and --resume
-    continues from the saved step."""
+    multi-process system, then checks that held-out accuracy and the training reward rise, the
+    final model is the trained one, and --resume continues from the saved step."""
 
     monkeypatch.setattr(tiny, "TINY_DATA", dict(train=2000, test=100, digits=2))
     out = tmp_path / "tiny"
@@ -238,13 +245,13 @@ def test_tiny_preset_end_to_end_learns_saves_and_resumes(tmp_path, monkeypatch):
         "--eval_samples",
         "2",
     ]
-    with time_limit(600):
+    with time_limit(1200):  # a hang: 400 s for the whole test at a load of 10 on two cores
         results = run_gsm8k.main([*common, "--total_steps", "200"])
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 201))
     # One step's reward is a mean over 128 samples from a buffer of mixed versions and prompts,
-    # so compare 50-step windows. Their difference rose 0.10 here (0.476 -> 0.578; 0.10-0.11
-    # over 75-step windows of 300 steps before); per-step sd ~0.08, so the difference's noise is
+    # so compare 50-step windows. Their difference rose 0.11-0.12 in the 6 runs that set
+    # HELD_OUT_RISE (0.44 -> 0.55-0.56); per-step sd ~0.08, so the difference's noise is
     # ~0.016; a learner that does not learn gives ~0.
     first = sum(r["reward/mean"] for r in rows[:50]) / 50
     last = sum(r["reward/mean"] for r in rows[-50:]) / 50
@@ -260,15 +267,19 @@ def test_tiny_preset_end_to_end_learns_saves_and_resumes(tmp_path, monkeypatch):
     # (about 10% in the measured runs; docs/tiny.md).
     assert all("offpolicy/clip_frac" in r for r in rows)
     assert 0.01 < saved["summary"]["clip_frac"] < 0.3
-    assert 0 <= saved["accuracy_before"] <= 1 and 0 <= saved["accuracy_after"] <= 1
+    # Held-out greedy accuracy, from the warm start's to the trained policy's (HELD_OUT_RISE).
+    before, after = saved["accuracy_before"], saved["accuracy_after"]
+    assert after - before > HELD_OUT_RISE, f"held-out accuracy {before:.2f} -> {after:.2f}"
     assert {"pass@2", "distinct_2"} <= set(saved["diversity_after"])
     assert saved == json.loads(json.dumps(results))
-    model = AutoModelForCausalLM.from_pretrained(out / "final")
-    assert model.num_parameters() > 0
+    # The saved final model is the trained policy: the checkpoint's weights at step 200.
     state = torch.load(out / "checkpoint.pt", weights_only=True)
     assert state["trainer"]["step"] == 200
+    final = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+    assert final.keys() == state["trainer"]["model"].keys()
+    assert all(torch.equal(t, state["trainer"]["model"][k]) for k, t in final.items())
 
-    with time_limit(300):
+    with time_limit(600):
         resumed = run_gsm8k.main([*common, "--total_steps", "210", "--resume"])
     assert resumed["steps"] == 210
     assert resumed["accuracy_before"] == results["accuracy_before"]  # the run's first "before"

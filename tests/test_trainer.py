@@ -67,6 +67,39 @@ def test_trainer_with_max_train_lag_waits_for_young_data_and_counts_lags(tiny_mo
     assert counts[2:] == [0.0, 0.0, 0.0]
 
 
+def test_replay_ratio_holds_the_trainer_until_enough_was_generated(tiny_model_dir):
+    """replay_ratio r: the step that brings the trajectories trained to (s + 1) P K runs only
+    once r times the trajectories generated (duplicates included: the searchers' work, not what
+    the buffer keeps) reaches that; 0: no bound. P K = 4 here."""
+    cfg = cpu_config(
+        tiny_model_dir,
+        num_generations=2,
+        responses_per_prompt=2,
+        prompts_per_step=2,
+        initial_samples=0,
+        publish_every=1,
+        barrier_lag=-1,
+        replay_ratio=1.0,
+    )
+    trainer = Trainer(cfg, torch.device("cpu"), pad_id=0, eos_id=1)
+    buffer = trainer.buffer
+    for pid, tokens in ((0, [10, 1]), (1, [11, 1]), (1, [11, 1])):  # the last a duplicate
+        buffer.add(traj(pid, tokens))
+    assert (len(buffer), buffer.num_added) == (2, 3) and not trainer.can_step()  # 3 < 4
+    buffer.add(traj(0, [12, 1]))
+    assert trainer.can_step()  # 4 generated, 4 to train
+    trainer.train_step()
+    for j in range(3):
+        buffer.add(traj(1, [20 + j, 1], version=1))
+        assert not trainer.can_step(), f"{buffer.num_added} generated, 8 to train"
+    buffer.add(traj(1, [23, 1], version=1))
+    assert trainer.can_step()
+    trainer.cfg = dataclasses.replace(cfg, replay_ratio=0.5)  # 8 to train needs 16 generated
+    assert not trainer.can_step()
+    trainer.cfg = dataclasses.replace(cfg, replay_ratio=0.0)
+    assert trainer.can_step()
+
+
 def test_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
     """Trainer.backward in passes of 1, 2 or all 4 prompt groups (micro_batch_size 3, 7 -> 6,
     12, 0) gives tb_loss on the whole (P, K) batch and its gradient, as one forward would."""
@@ -208,7 +241,7 @@ def test_intake_thread_adds_while_the_trainer_samples_and_raises_failures_on_the
     sampler = types.SimpleNamespace(can_step=lambda: len(buffer.by_prompt) >= 4)  # a trainer
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # interleave the two threads' adds and draws finely
-    with time_limit(20), contextlib.ExitStack() as stack:
+    with time_limit(60), contextlib.ExitStack() as stack:  # a hang: 8 s at a load of 10
         stack.callback(sys.setswitchinterval, switch)
         intake.start()
         draws = 0
