@@ -63,8 +63,8 @@ Departures from the official code, with reasons:
 Options beyond the paper, off in its preset (docs/staleness.md): max_train_lag bounds the lag
 of everything a step trains on (the released run bounds only the newest data, by its barrier);
 replay_ratio bounds trajectories trained per trajectory generated (docs/tiny.md, "the
-accounting"); tb_clip_eps is TB's trust region (``tb_loss``). Extensions name their own
-departures in their files (docs/extensions.md lists them).
+accounting"); tb_clip_eps is TB's trust region (``tb_loss``), off in the paper preset: bf16
+vLLM's log pi_b against the trainer's is unmeasured on GPUs; extensions list their departures.
 """
 
 from __future__ import annotations
