@@ -330,22 +330,32 @@ def ratio_loss(
         )
     if cap <= 0:
         raise ValueError(f"ratio_loss: cap must be > 0, got {cap}")
-    if isinstance(normalizer, torch.Tensor):
-        if normalizer.shape != logp.shape[:1] or not (normalizer > 0).all():
-            raise ValueError(
-                f"ratio_loss: a normalizer tensor must be ({logp.shape[0]},), every entry > 0"
-            )
-    elif normalizer is not None and normalizer <= 0:
-        raise ValueError(f"ratio_loss: normalizer must be > 0, got {normalizer}")
+    check_normalizer("ratio_loss", normalizer, logp.shape[0])
     m = mask.bool()
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
     lp = torch.where(m, logp.float(), zero)
     old = torch.where(m, old_logp.detach().float(), zero)
     weight = torch.clamp(torch.exp(lp - old), max=cap)
     per_token = torch.where(m, -weight * advantages.detach().float().unsqueeze(1), zero)
+    return normalized_sum(per_token, m, normalizer)
+
+
+def check_normalizer(name: str, normalizer, rows: int) -> None:
+    """A token loss's ``normalizer``: None, a number > 0, or a (rows,) tensor of entries > 0."""
+    if isinstance(normalizer, torch.Tensor):
+        if normalizer.shape != (rows,) or not (normalizer > 0).all():
+            raise ValueError(f"{name}: a normalizer tensor must be ({rows},), every entry > 0")
+    elif normalizer is not None and normalizer <= 0:
+        raise ValueError(f"{name}: normalizer must be > 0, got {normalizer}")
+
+
+def normalized_sum(per_token: torch.Tensor, mask: torch.Tensor, normalizer) -> torch.Tensor:
+    """The (B, T) per-token losses summed over ``normalizer``: each row over its own entry (a
+    tensor: per sequence), over the number (accumulation over passes), or over the mask's
+    tokens (None: one token mean)."""
     if isinstance(normalizer, torch.Tensor):  # each row over its own denominator
         return (per_token.sum(dim=1) / normalizer.to(per_token)).sum()
-    return per_token.sum() / (normalizer if normalizer is not None else m.sum().clamp(min=1))
+    return per_token.sum() / (normalizer if normalizer is not None else mask.sum().clamp(min=1))
 
 
 def sequence_normalizer(

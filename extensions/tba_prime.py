@@ -86,7 +86,9 @@ from buffer import ReplayBuffer, Trajectory
 from extensions.grpo import (
     GRPOSearcher,
     GRPOTrainer,
+    check_normalizer,
     checked_split_rows,
+    normalized_sum,
     require_token_logprobs,
     sequence_normalizer,
     split_rows,
@@ -329,13 +331,7 @@ def prime_tb_loss(
         )
     if ratio_cap <= 1:
         raise ValueError(f"prime_tb_loss: ratio_cap must be > 1, got {ratio_cap}")
-    if isinstance(normalizer, torch.Tensor):
-        if normalizer.shape != logp.shape[:1] or not (normalizer > 0).all():
-            raise ValueError(
-                f"prime_tb_loss: a normalizer tensor must be ({logp.shape[0]},), every entry > 0"
-            )
-    elif normalizer is not None and normalizer <= 0:
-        raise ValueError(f"prime_tb_loss: normalizer must be > 0, got {normalizer}")
+    check_normalizer("prime_tb_loss", normalizer, logp.shape[0])
     m = mask.bool()
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
     lp = torch.where(m, logp.float(), zero)
@@ -345,10 +341,7 @@ def prime_tb_loss(
         weight = torch.clamp(torch.exp(lp - old), max=ratio_cap)
     else:
         weight = lp
-    per_token = torch.where(m, -weight * adv, zero)
-    if isinstance(normalizer, torch.Tensor):  # each row over its own denominator
-        return (per_token.sum(dim=1) / normalizer.to(per_token)).sum()
-    return per_token.sum() / (normalizer if normalizer is not None else m.sum().clamp(min=1))
+    return normalized_sum(torch.where(m, -weight * adv, zero), m, normalizer)
 
 
 # ----------------------------------------------------------------------------- the trainers
