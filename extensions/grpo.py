@@ -174,8 +174,8 @@ def grpo_loss(
     normalizer: float | None = None,
 ) -> torch.Tensor:
     """GRPO loss, the on-policy baseline (DeepSeekMath Eq. 3) with token-level averaging (DAPO
-    Sec. 3.3). Needs only torch; copy it anywhere. Follows Hugging Face TRL's GRPOTrainer
-    (``loss_type="dapo"``, ``epsilon=0.2``, one update per batch).
+    Sec. 3.3). Needs only torch; copy it with ``normalized_sum``. Follows Hugging Face TRL's
+    GRPOTrainer (``loss_type="dapo"``, ``epsilon=0.2``, one update per batch).
 
     Shapes: ``logp``, ``old_logp``, ``ref_logp``, ``mask`` are (B, T), one entry per response
     token, B = P K rows in prompt-major order; ``advantages`` is (B,), one per response
@@ -255,10 +255,7 @@ def grpo_loss(
     if kl_coef > 0:
         ref = torch.where(m, ref_logp.detach().float(), zero)
         per_token = per_token + kl_coef * k3_kl(lp, ref)
-    per_token = torch.where(m, per_token, zero)
-    if normalizer is not None:
-        return per_token.sum() / normalizer
-    return per_token.sum() / m.sum().clamp(min=1)
+    return normalized_sum(torch.where(m, per_token, zero), m, normalizer)
 
 
 @torch.no_grad()
@@ -298,7 +295,7 @@ def ratio_loss(
 ) -> torch.Tensor:
     """The ratio loss, the baseline TBA′ was released with (PRIME-RL's ``ratio`` loss, run by
     bbartoldson/tba-prime's GRPO_qwen configs; the paper's Dr. GRPO). Needs only torch; copy
-    it anywhere.
+    it with ``check_normalizer`` and ``normalized_sum``.
 
     Shapes: ``logp`` (B, T) = log pi_theta(y_t | x, y_<t) of each scored token (carries the
     gradient), ``old_logp`` (B, T) the same under pi_b, the weights that sampled the response,

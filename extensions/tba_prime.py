@@ -290,7 +290,7 @@ def prime_tb_loss(
     normalizer: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """TBA′'s loss, TB's gradient per token (bbartoldson/tba-prime ``tba_loss``). Needs only
-    torch; copy it anywhere.
+    torch; copy it with grpo's ``check_normalizer`` and ``normalized_sum``.
 
     Shapes: ``logp`` (B, T) = log pi_theta(y_t | x, y_<t) of each scored token (carries the
     gradient), ``behaviour_logp`` (B, T) the same under pi_b, the weights that sampled the
