@@ -24,6 +24,12 @@ HINT = "the code changed what the page shows: run `python -m tools.walkthrough` 
 def test_the_walkthrough_page_matches_a_fresh_run(tmp_path):
     fresh = walkthrough.main(["--out", str(tmp_path / "walkthrough.md")]).read_text()
     page = walkthrough.PAGE.read_text()
+    written_on, here = machine_of(page), machine_of(fresh)
+    assert written_on == here, (
+        f"docs/walkthrough.md holds a run on {written_on}; this machine is {here}, whose float "
+        "rounding samples another run: write the page on this machine (`python -m "
+        "tools.walkthrough`), check that its words still hold, and commit it"
+    )
     assert NUMBER.split(fresh) == NUMBER.split(page), f"{HINT}\n{first_difference(page, fresh)}"
     found = zip(NUMBER.finditer(fresh), NUMBER.finditer(page), strict=True)
     for ours, theirs in found:
@@ -32,6 +38,13 @@ def test_the_walkthrough_page_matches_a_fresh_run(tmp_path):
         assert abs(mine - said) <= 2e-3 + 1e-3 * abs(said), (
             f"{ours.group()} where docs/walkthrough.md:{line} says {theirs.group()}: {HINT}"
         )
+
+
+def machine_of(page: str) -> str:
+    """The CPU a page's last line says its run was on."""
+    last = page.rstrip().splitlines()[-1]
+    assert last.startswith(walkthrough.MACHINE_LINE), f"no machine line at the end: {last!r}"
+    return last.removeprefix(walkthrough.MACHINE_LINE).rstrip(".")
 
 
 def first_difference(page: str, fresh: str, lines: int = 12) -> str:

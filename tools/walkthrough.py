@@ -16,7 +16,9 @@ words, the writer checks it and raises when it no longer holds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import platform
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -621,9 +623,11 @@ def intro(cfg, t: int) -> list[str]:
     out = [
         f"# An asynchronous step of TBA: step {t} of a tiny run",
         "",
-        "Written by `python -m tools.walkthrough` (about 40 s on one free CPU core); "
+        "Written by `python -m tools.walkthrough` (40-90 s on one free CPU core, by the CPU); "
         "tests/test_walkthrough.py runs it again and fails when a word or a number here no "
-        "longer matches the run. The run is the tiny preset's (extensions/tiny.py, "
+        "longer matches the run. Another kind of CPU rounds floats differently, and the seeded "
+        "run samples other tokens with it: the last line names the CPU, and the test says so "
+        "when it is not this one. The run is the tiny preset's (extensions/tiny.py, "
         "`TINY_PRESET` and its parity check; docs/tiny.md): two-digit sums in GSM8K's format, "
         "a tiny Llama warm-started as the preset does (supervised, until greedy accuracy on "
         f"{TINY_WARM_START['val']} validation sums reaches {TINY_WARM_START['target']:g}), one "
@@ -696,6 +700,22 @@ def timeline_section(cfg, timeline: list[StepRecord], t: int) -> list[str]:
     return out
 
 
+def machine() -> str:
+    """The kind of CPU a page's numbers belong to: float rounding (MKL's and ATen's kernels, chosen
+    by vendor and vector capability) differs between kinds, and a seeded run's sampling with it."""
+    model = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{platform.machine()}, {model}, ATen {capability}, torch {torch.__version__}"
+
+
+MACHINE_LINE = "The numbers are those of a run on: "
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(PAGE), help="where to write the page")
@@ -703,6 +723,7 @@ def main(argv: list[str] | None = None) -> Path:
     torch.set_num_threads(TINY_PRESET["torch_threads"])  # the same arithmetic on every run
     with tempfile.TemporaryDirectory() as workdir:
         lines = run(Path(workdir))
+    lines += ["", f"{MACHINE_LINE}{machine()}."]
     out = Path(args.out)
     out.write_text("\n".join(lines))
     print(f"wrote {out}")
