@@ -229,6 +229,9 @@ class GroupSender:
     MAX_FAILED_ROUNDS = 3
     BOARD_EVERY_S = 0.25  # how often membership is read from the board
     REPORT_S = 2.0  # past the deadline, for survivors to say how their part ended
+    # A member silent this long past its longest poll is left out of the next group (a hung
+    # process would hold every round to the deadline); it joins again when it polls again.
+    HEARTBEAT_GRACE_S = 2.0
 
     def __init__(
         self,
@@ -313,7 +316,7 @@ class GroupSender:
         return self.status
 
     def _alive(self) -> dict[int, dict]:
-        fresh = GroupWeightSource.POLL_S + 2.0
+        fresh = GroupWeightSource.POLL_S + self.HEARTBEAT_GRACE_S
         status = self._read_board(CONTROL_S)
         if status is not self.checked:  # Ray's view of the processes, with each new status
             self.checked = status
