@@ -580,9 +580,9 @@ def test_weight_group_store_admits_only_the_groups_secret():
 
 
 # A searcher frozen (SIGSTOP) just before a publish must still be a member of that version's
-# round. Its last poll of the board can be older than the sender's 2-s grace under a load of
-# 10 on two cores (CI's), and the round then formed without it and finished: the test's
-# premise gone. Tests that freeze a member before a publish widen the grace (freeze_grace).
+# round. Under CI's load its last poll of the board could be older than the sender's grace
+# (GroupSender.HEARTBEAT_GRACE_S), and the round then formed without it and finished: the
+# test's premise gone. Tests that freeze a member before a publish widen the grace.
 FROZEN_GRACE_S = 120.0
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -50,11 +51,27 @@ def parallel_speedup(seconds: float) -> float:
     return rates[1] / rates[0]
 
 
+def cpu_kind() -> str:
+    """The CPU's model and the vector kernels ATen chose for it: float rounding (MKL's and ATen's
+    kernels, picked by vendor and capability) differs between kinds, and so do a seeded run's
+    samples and every speed figure."""
+    model = "unknown CPU"
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as cpuinfo:
+            lines = cpuinfo.read().splitlines()
+        for line in lines:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model}, ATen {torch.backends.cpu.get_cpu_capability()}"
+
+
 def machine_info() -> dict:
     import transformers
 
     return {
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_kind(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

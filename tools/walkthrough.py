@@ -16,7 +16,6 @@ words, the writer checks it and raises when it no longer holds.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import platform
 import tempfile
@@ -42,6 +41,7 @@ from plumbing.models import meta_causal_lm, special_token_ids
 from rewards import gsm8k_gold, gsm8k_reward
 from searcher import SearcherSetup
 from tba import group_logprobs, tb_clipped
+from tools.bench_machine import cpu_kind
 from trainer import Parts, Trainer, item_tensor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -701,16 +701,9 @@ def timeline_section(cfg, timeline: list[StepRecord], t: int) -> list[str]:
 
 
 def machine() -> str:
-    """The kind of CPU a page's numbers belong to: float rounding (MKL's and ATen's kernels, chosen
-    by vendor and vector capability) differs between kinds, and a seeded run's sampling with it."""
-    model = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    capability = torch.backends.cpu.get_cpu_capability()
-    return f"{platform.machine()}, {model}, ATen {capability}, torch {torch.__version__}"
+    """The kind of machine a page's numbers belong to (``bench_machine.cpu_kind``: another kind
+    rounds floats differently, and the seeded run samples other tokens)."""
+    return f"{platform.machine()}, {cpu_kind()}, torch {torch.__version__}"
 
 
 MACHINE_LINE = "The numbers are those of a run on: "
