@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from extensions import checks, grpo
@@ -116,6 +117,25 @@ def child_pids() -> list[int]:
         for pid, fields, cmdline in proc_stats()
         if int(fields[1]) == os.getpid() and "resource_tracker" not in cmdline
     ]
+
+
+# torch's own setter, taken before any test can build a vLLM engine in this process.
+SET_NUM_THREADS = torch.set_num_threads
+
+
+@contextlib.contextmanager
+def torch_threads_kept():
+    """Leave torch's CPU threads as found: the count, and ``torch.set_num_threads`` itself.
+    vLLM's CPU worker (vllm/v1/worker/cpu_worker.py, ``init_device``) replaces
+    ``torch.set_num_threads`` with a no-op that only logs a warning, for the whole process
+    that builds an engine: every later test in that pytest worker asking for one thread (the
+    walkthrough's fixed arithmetic, the tiny presets' trainers) would silently keep two."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = SET_NUM_THREADS
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

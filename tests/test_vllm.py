@@ -41,6 +41,7 @@ from helpers import (
     session_pids,
     stop_run,
     time_limit,
+    torch_threads_kept,
     wait_for_rows,
 )
 from plumbing.processes import WeightsNotLoaded
@@ -178,6 +179,21 @@ def test_vllm_engine_loads_published_weights(vllm_model_dir):
         assert greedy == reference.generate([long_prompt], 1, greedy=True)[0][0]
         assert greedy != before
         before = greedy
+
+
+@needs_cpu_vllm
+@pytest.mark.slow
+def test_torch_threads_work_again_after_a_vllm_engine(vllm_tied_model_dir):
+    """vLLM's CPU worker makes torch.set_num_threads a no-op in the process that builds an
+    engine; tests/conftest.py gives each test the real one back (helpers.torch_threads_kept),
+    so a later test in this pytest worker that asks for one thread gets one."""
+    with torch_threads_kept():
+        torch.set_num_threads(2)
+        VLLMEngine(vllm_cfg(vllm_tied_model_dir), torch.device("cpu"), eos_id=1, seed=0)
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == 2, "vLLM no longer vetoes set_num_threads: drop the fix"
+    torch.set_num_threads(1)
+    assert torch.get_num_threads() == 1
 
 
 @needs_cpu_vllm

@@ -11,6 +11,9 @@ import importlib
 import inspect
 import re
 
+import pytest
+import torch
+
 from tba import TBAConfig
 from tools import walkthrough
 
@@ -38,6 +41,16 @@ def test_the_walkthrough_page_matches_a_fresh_run(tmp_path):
         assert abs(mine - said) <= 2e-3 + 1e-3 * abs(said), (
             f"{ours.group()} where docs/walkthrough.md:{line} says {theirs.group()}: {HINT}"
         )
+
+
+def test_the_walkthrough_refuses_a_process_whose_threads_it_cannot_set(tmp_path, monkeypatch):
+    """The page's run is one thread's arithmetic; where torch.set_num_threads is vetoed (a
+    vLLM engine built in the process, tests/helpers.torch_threads_kept) it stops, naming why."""
+    torch.set_num_threads(2)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # vLLM's no-op
+    with pytest.raises(RuntimeError, match="torch kept 2 threads, not 1: a vLLM engine"):
+        walkthrough.main(["--out", str(tmp_path / "walkthrough.md")])
+    assert not (tmp_path / "walkthrough.md").exists()
 
 
 def machine_of(page: str) -> str:

@@ -714,6 +714,12 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out", default=str(PAGE), help="where to write the page")
     args = parser.parse_args(argv)
     torch.set_num_threads(TINY_PRESET["torch_threads"])  # the same arithmetic on every run
+    if torch.get_num_threads() != TINY_PRESET["torch_threads"]:  # vLLM's CPU engine can veto it
+        raise RuntimeError(
+            f"torch kept {torch.get_num_threads()} threads, not {TINY_PRESET['torch_threads']}: "
+            "a vLLM engine built in this process makes torch.set_num_threads a no-op; "
+            "write the page in a fresh process"
+        )
     with tempfile.TemporaryDirectory() as workdir:
         lines = run(Path(workdir))
     lines += ["", f"{MACHINE_LINE}{machine()}."]
