@@ -182,6 +182,8 @@ class VLLMEngine:
                 name
                 for name, _ in meta_causal_lm(cfg.model, cfg.trust_remote_code).named_parameters()
             }
+            # On CPU, vLLM's worker also makes torch.set_num_threads a no-op in this process
+            # from here on: set the threads first (searcher_main does).
             self.llm = LLM(
                 model=cfg.model,
                 dtype=cfg.dtype,
