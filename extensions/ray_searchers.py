@@ -423,8 +423,7 @@ class RaySearcherPool:
                 pids=self._pids,
                 kill=self._kill_straggler,
                 log=self.log,
-            )
-            self.sender.start()
+            )  # started by wait_ready, once the board is up
 
             def source():
                 return GroupWeightSource(
@@ -465,11 +464,17 @@ class RaySearcherPool:
             self.actors.append(actor)
 
     def wait_ready(self) -> None:
-        """Wait until every actor is built (engine and reference model loaded)."""
+        """Wait until every actor is built (engine and reference model loaded) and the board is
+        up, all by one deadline; then start the weight group's sender. The board's process
+        starts as the searchers' do (a Ray worker, the job's code, torch): beside a CPU hog
+        that took over a minute, past which the sender's first call to it (``CONTROL_S``)
+        had failed the run."""
         import ray
         from ray.exceptions import RayError
 
         refs = {actor.info.remote(): rank for rank, actor in enumerate(self.actors)}
+        # Any call to the board answers once its process is up.
+        board_ref = (self.board.status if self.sender is not None else self.board.get).remote()
         deadline = time.monotonic() + self.cfg.timeout_s
         while refs:
             left = deadline - time.monotonic()
@@ -490,6 +495,14 @@ class RaySearcherPool:
                     f"{self.num_gpus:g} GPU(s) and {self.ray_cfg.ray_cpus_per_searcher:g} "
                     "CPU(s) free for each? (`ray status`)"
                 )
+        left = max(0.001, deadline - time.monotonic())
+        if not ray.wait([board_ref], timeout=left)[0]:
+            raise NoRayCluster(
+                f"the weights' board on this node not up within {self.cfg.timeout_s}s"
+            )
+        ray.get(board_ref)  # a board that failed to start raises here
+        if self.sender is not None:
+            self.sender.start()
 
     # --- the intake thread
 

@@ -697,6 +697,29 @@ def torn_then_short(pool, publisher, monkeypatch, logged: list[str]) -> None:
     assert sender.rebuilds == rebuilds + 1 and metrics["async/searcher_restarts"] == 0
 
 
+BOARD_START_S = 6.0  # the slow board's start; a searcher actor's takes longer
+BOARD_PATIENCE_S = 2.0  # the sender's wait for the board's answer (CONTROL_S, 60 s, in a run)
+
+
+def slow_board(monkeypatch) -> None:
+    """The weight group's board starts BOARD_START_S late, and the sender waits at most
+    BOARD_PATIENCE_S for its answers: a sender started before the board is up fails the run
+    (beside a CPU hog its start outlasted CONTROL_S)."""
+
+    class SlowBoard(weight_group.GroupBoard):
+        def __init__(self):
+            time.sleep(BOARD_START_S)
+            super().__init__()
+
+    read = weight_rounds.GroupSender._read_board
+
+    def impatient(self, timeout_s: float, force: bool = False):
+        return read(self, min(timeout_s, BOARD_PATIENCE_S), force)
+
+    monkeypatch.setattr(ray_searchers, "GroupBoard", SlowBoard)
+    monkeypatch.setattr(weight_rounds.GroupSender, "_read_board", impatient)
+
+
 @pytest.mark.parametrize("weights", ["broadcast", "object_store"])
 def test_batches_carry_versions_checksums_and_backpressure(
     cluster, tiny_model_dir, tmp_path, monkeypatch, weights
@@ -705,8 +728,12 @@ def test_batches_carry_versions_checksums_and_backpressure(
     version 0, then version 1 once published; each load passes the parity probe and the
     engines' checksums equal the trainer's; never more than in_flight calls per actor. The
     weights by the weight group (one incarnation, both actors in it; then a torn round and a
-    short confirmation, ``torn_then_short``) or the object store."""
+    short confirmation, ``torn_then_short``) or the object store. The group's board is slow to
+    start (``slow_board``), as beside a CPU hog, where the sender's first call to it once failed
+    the run: the sender starts only once it is up."""
     logged: list[str] = []
+    if weights == "broadcast":
+        slow_board(monkeypatch)
     with time_limit(400):
         examples = tiny_examples()
         cfg = tiny_cfg(tiny_model_dir, tmp_path)
