@@ -246,6 +246,9 @@ def run_cut(write) -> None:
     pid = os.fork()
     if pid == 0:  # the child: the cut kills it; were it to return, exit 3 (no cut came)
         try:
+            # One thread: the OpenMP threads of the parent's torch are not in a forked child,
+            # and a parallel region there waits for them forever (the warm start's training).
+            torch.set_num_threads(1)
             write()
         finally:
             os._exit(3)

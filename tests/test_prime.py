@@ -29,7 +29,7 @@ from jobs import run_countdown
 from plumbing.config import ConfigError
 from searcher import SearcherSetup
 from tba import group_token_logprobs, tb_loss
-from test_tba import digit_reward, tiny_examples
+from test_tba import digit_reward, read_metrics, tiny_examples
 from trainer import Parts
 
 
@@ -409,14 +409,15 @@ def test_prime_config_and_install_refuse_what_cannot_work(tiny_model_dir):
 
 
 # Countdown in TBA′'s setting from a warm start at 0.2 on 50 validation problems, PRIME_STEPS
-# steps: greedy accuracy on 100 held-out problems goes from 0.18 to 0.26, 0.25 and 0.24 (--seed
-# 4, 1, 0, a CPU hog beside it; 2026-12-01, an AMD EPYC 2-core machine). After 100 steps it had
-# risen by 0.01-0.05 there (seeds 0-4, idle; by 0.13-0.18 from 0.10 on the machine of
-# 2026-11-28, whose warm start was another), too near a run's spread for a margin; at 2.5x the
-# lr it rose 0.06-0.10 alone and fell to 0.0 in the full suite. A trainer that does not learn
-# leaves the weights, and the greedy answers, as they were.
+# steps (2026-12-01/02, an AMD EPYC 2-core machine). The training reward's last 50-step window
+# rose over its first by 0.041-0.050 in four runs (seeds 0, 1, 4 beside a CPU hog, seed 0
+# alone; after 100 steps by 0.020-0.046, nine runs); a window's mean over 50 steps has an sd of
+# about 0.007 (per-step sd 0.052), so a trainer that does not learn rises by 0 +- 0.01. Greedy
+# accuracy on 100 held-out problems is the noisier figure: 0.18 -> 0.23-0.26 in those runs, but
+# 0.18 -> 0.18 in one full suite (and after 100 steps +0.01 to +0.05): it is checked only not
+# to fall, as a policy pushed against its advantages would (at 2.5x the lr: 0.18 -> 0.00).
 PRIME_STEPS = 150
-PRIME_LEARNS_BY = 0.03
+PRIME_REWARD_RISE = 0.02
 COUNTDOWN_WARM_START = dict(
     run_countdown.TINY_WARM_START, target=0.2, check_every=50, check_every_near=50, val=50
 )
@@ -426,8 +427,9 @@ COUNTDOWN_WARM_START = dict(
 def test_tba_prime_learns_countdown(tmp_path):
     """jobs/run_countdown.py --preset tiny_prime (TBA′'s loss with importance sampling, each
     batch trained once at most 10 versions behind, the reference reset every 50 steps) for
-    PRIME_STEPS steps from a short warm start: held-out greedy accuracy rises by PRIME_LEARNS_BY
-    or more."""
+    PRIME_STEPS steps from a short warm start: the training reward rises by PRIME_REWARD_RISE
+    or more from the first 50-step window to the last, and held-out greedy accuracy does not
+    fall."""
     train, _, val = run_countdown.countdown_task()
     tokenizer = build_char_tokenizer()
     evaluator = run_countdown.tiny_countdown_evaluator(tokenizer)
@@ -446,4 +448,7 @@ def test_tba_prime_learns_countdown(tmp_path):
         args += ["--eval_subset", "10", "--eval_samples", "0"]
         results = run_countdown.main(args)
     assert results["steps"] == PRIME_STEPS
-    assert results["accuracy_after"] >= results["accuracy_before"] + PRIME_LEARNS_BY
+    rewards = [row["reward/mean"] for row in read_metrics(tmp_path / "run")]
+    first, last = sum(rewards[:50]) / 50, sum(rewards[-50:]) / 50
+    assert last >= first + PRIME_REWARD_RISE, f"training reward {first:.3f} -> {last:.3f}"
+    assert results["accuracy_after"] >= results["accuracy_before"], results
