@@ -78,7 +78,7 @@ import torch
 from buffer import Trajectory
 from extensions.checks import record_ran
 from extensions.ray_cluster import NoRayCluster, connect, is_loopback
-from extensions.weight_group import GroupBoard, StoreSnapshot
+from extensions.weight_group import GroupBoard, StoreSnapshot, ask
 from extensions.weight_rounds import GroupSender, GroupWeightSource
 from plumbing.config import check_bounds, knob, need
 from plumbing.metrics import searcher_metrics
@@ -495,12 +495,12 @@ class RaySearcherPool:
                     f"{self.num_gpus:g} GPU(s) and {self.ray_cfg.ray_cpus_per_searcher:g} "
                     "CPU(s) free for each? (`ray status`)"
                 )
-        left = max(0.001, deadline - time.monotonic())
-        if not ray.wait([board_ref], timeout=left)[0]:
+        try:
+            ask(board_ref, deadline - time.monotonic())  # a board that failed to start raises
+        except TimeoutError as exc:
             raise NoRayCluster(
                 f"the weights' board on this node not up within {self.cfg.timeout_s}s"
-            )
-        ray.get(board_ref)  # a board that failed to start raises here
+            ) from exc
         if self.sender is not None:
             self.sender.start()
 
