@@ -3,6 +3,13 @@ runs on the CPU here (``helpers.require_cpu_vllm``), which skips a vLLM test, or
 TBA_REQUIRE_VLLM=1 (CI, .ci/run), and torch's threads left as each test found them."""
 
 import importlib.util
+import os
+
+# One torch (OpenMP) thread per process unless the caller sets another count: the README's
+# command runs two pytest workers on two cores, and each test's searchers and trainers beside
+# them, so a second thread per process finds no free core and spins in OpenMP's barrier. Set
+# before the first import of torch (test_tba below), so spawned children inherit it too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
