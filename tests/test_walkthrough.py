@@ -1,5 +1,6 @@
 """docs/walkthrough.md says what the code does: ``tools/walkthrough.py`` writes the page again from
-a real run of the core's classes (about 40 s of one core), and every word and number must match
+a real run of the core's classes (about 40 s of one core), in a fresh process so that it picks its
+kernels (AVX2 on x86-64, whether or not the CPU has AVX-512), and every word and number must match
 the page (numbers to the page's three decimals, within a rounding step); and every function,
 class and file the page names exists, the file being the one that defines the function."""
 
@@ -9,7 +10,10 @@ import dataclasses
 import difflib
 import importlib
 import inspect
+import platform
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -25,7 +29,14 @@ HINT = "the code changed what the page shows: run `python -m tools.walkthrough` 
 
 
 def test_the_walkthrough_page_matches_a_fresh_run(tmp_path):
-    fresh = walkthrough.main(["--out", str(tmp_path / "walkthrough.md")]).read_text()
+    out = tmp_path / "walkthrough.md"
+    command = [sys.executable, "-m", "tools.walkthrough", "--out", str(out)]
+    # a hang detector: 65-86 s in the suite, 830 s once on two threads beside a CPU hog
+    done = subprocess.run(
+        command, cwd=walkthrough.REPO, capture_output=True, text=True, timeout=1500
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    fresh = out.read_text()
     page = walkthrough.PAGE.read_text()
     written_on, here = machine_of(page), machine_of(fresh)
     assert written_on == here, (
@@ -41,6 +52,18 @@ def test_the_walkthrough_page_matches_a_fresh_run(tmp_path):
         assert abs(mine - said) <= 2e-3 + 1e-3 * abs(said), (
             f"{ours.group()} where docs/walkthrough.md:{line} says {theirs.group()}: {HINT}"
         )
+
+
+def test_the_walkthrough_refuses_a_process_whose_kernels_it_cannot_choose(tmp_path, monkeypatch):
+    """Where torch was imported before tools.walkthrough could pick AVX2 kernels and chose AVX-512
+    (as in a pytest worker on such a CPU), the writer stops, naming why, rather than write a page
+    that no other kind of CPU reproduces."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    with pytest.raises(RuntimeError, match="ATen's AVX512 kernels, not AVX2: it was imported"):
+        walkthrough.main(["--out", str(tmp_path / "walkthrough.md")])
+    assert not (tmp_path / "walkthrough.md").exists()
 
 
 def test_the_walkthrough_refuses_a_process_whose_threads_it_cannot_set(tmp_path, monkeypatch):

@@ -17,11 +17,21 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import platform
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+
+# The page's arithmetic runs on AVX2 kernels, ATen's and MKL's, which every x86-64 CPU this
+# project meets has: left to choose, an AVX-512 CPU rounds otherwise, the seeded run samples other
+# tokens, and the page would hold on one kind of machine only. ATen reads this once, when torch
+# first dispatches, so it must be set before torch is imported: `python -m tools.walkthrough` is
+# a fresh process, and main() refuses one where torch chose other kernels first.
+if platform.machine() == "x86_64":
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+    os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", "AVX2")
 
 import torch
 from transformers import AutoTokenizer
@@ -625,9 +635,10 @@ def intro(cfg, t: int) -> list[str]:
         "",
         "Written by `python -m tools.walkthrough` (40-90 s on one free CPU core, by the CPU); "
         "tests/test_walkthrough.py runs it again and fails when a word or a number here no "
-        "longer matches the run. Another kind of CPU rounds floats differently, and the seeded "
-        "run samples other tokens with it: the last line names the CPU, and the test says so "
-        "when it is not this one. The run is the tiny preset's (extensions/tiny.py, "
+        "longer matches the run. It runs on AVX2 kernels on every x86-64 CPU, AVX-512 or not; "
+        "another kind of CPU rounds floats differently, and the seeded run samples other tokens "
+        "with it: the last line names the CPU, and the test says so when it is not this one. "
+        "The run is the tiny preset's (extensions/tiny.py, "
         "`TINY_PRESET` and its parity check; docs/tiny.md): two-digit sums in GSM8K's format, "
         "a tiny Llama warm-started as the preset does (supervised, until greedy accuracy on "
         f"{TINY_WARM_START['val']} validation sums reaches {TINY_WARM_START['target']:g}), one "
@@ -719,6 +730,12 @@ def main(argv: list[str] | None = None) -> Path:
             f"torch kept {torch.get_num_threads()} threads, not {TINY_PRESET['torch_threads']}: "
             "a vLLM engine built in this process makes torch.set_num_threads a no-op; "
             "write the page in a fresh process"
+        )
+    kernels = torch.backends.cpu.get_cpu_capability()
+    if platform.machine() == "x86_64" and kernels != "AVX2":
+        raise RuntimeError(
+            f"torch runs ATen's {kernels} kernels, not AVX2: it was imported before this module "
+            "could choose them; write the page in a fresh process (`python -m tools.walkthrough`)"
         )
     with tempfile.TemporaryDirectory() as workdir:
         lines = run(Path(workdir))
