@@ -219,10 +219,12 @@ def test_sigkill_then_resume_continues_from_the_checkpoint(tiny_model_dir, tmp_p
     assert results["steps"] == saved + 4
 
 
-# Greedy accuracy on the 100 held-out sums rose 0.22-0.25 in 6 runs of this test's first part
-# (0.57 -> 0.79-0.82, median rise 0.23, sd 0.01; the warm start is the same each time, the
-# asynchrony is not), and 0.00 in a run whose reward was always 0; half the least rise.
-HELD_OUT_RISE = 0.10
+# Greedy accuracy on the 100 held-out sums, in runs of this test's first part: from 0.57 (the warm
+# start on ATen's AVX-512 kernels) to 0.76-0.82 in 9 runs; from 0.61 (on AVX2 kernels) to 0.75 and
+# 0.79 here and to 0.69 once in CI, beside the other tests on two torch threads a process. A run
+# whose reward was always 0 rose 0.00 (the same weights give the same greedy answers); half the
+# least rise seen.
+HELD_OUT_RISE = 0.04
 
 
 @pytest.mark.slow
