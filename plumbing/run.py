@@ -43,11 +43,12 @@ class Run:
         self.started = 0.0  # when training began: wall_time counts training, not start-up
         self.checkpoint_s = 0.0  # seconds of the latest periodic save, reported in the next row
         self.handlers: dict = {}
+        self.late_signal = ""  # a signal that came while the run was ending: raised after the save
         self.exits = contextlib.ExitStack()
 
     def __enter__(self) -> Run:
         self.exits.enter_context(claimed(self.cfg))  # refuses a directory holding another run
-        self.handlers = _raise_on_signals()
+        self.handlers = _raise_on_signals(self)
         torch.manual_seed(self.cfg.seed)
         torch.set_num_threads(self.cfg.threads_per_process())
         return self
@@ -111,10 +112,9 @@ class Run:
 
     def __exit__(self, kind, error, tb) -> None:
         """Stop what was registered, then save. It runs to the end: a second Ctrl-C (or
-        torchrun's SIGTERM to every rank) must not cut the checkpoint short, and a stop that
-        fails does not skip the save (its error is raised after it)."""
-        for sig in self.handlers:
-            signal.signal(sig, signal.SIG_IGN)
+        torchrun's SIGTERM to every rank) must not cut the checkpoint short (the handler notes a
+        signal that comes now, ``_raise_on_signals``), and a stop that fails does not skip the
+        save (its error is raised after it)."""
         stop_error = None
         try:
             if self.bar is not None:
@@ -133,6 +133,8 @@ class Run:
             for sig, handler in self.handlers.items():
                 signal.signal(sig, handler)
             self.exits.close()
+        if error is None and self.late_signal:
+            error = Interrupted(self.late_signal)  # the run had ended; the save is written
         if isinstance(error, Interrupted):
             trainer = self.trainer
             where = f"at step {trainer.step}" if trainer is not None else "before training"
@@ -142,11 +144,28 @@ class Run:
             raise stop_error
 
 
-def _raise_on_signals() -> dict:
+def _raise_on_signals(run: Run) -> dict:
     """Make SIGINT and SIGTERM raise Interrupted in the main thread; returns the old handlers.
-    Both are set: a background process inherits SIGINT ignored."""
+    Both are set: a background process inherits SIGINT ignored. While ``run`` is ending (the
+    signal lands in ``Run.__exit__`` or below it) the signal is noted, not raised: ignoring the
+    signals from inside ``__exit__`` left a window, the call itself, where torchrun's SIGTERM,
+    sent the moment another rank died and so as this rank's collective failed, was raised on
+    entering ``__exit__`` and skipped the final checkpoint."""
 
     def interrupt(signum, frame):
-        raise Interrupted(signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if _ending(frame):
+            run.late_signal = run.late_signal or name
+            return
+        raise Interrupted(name)
 
     return {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _ending(frame) -> bool:
+    """Whether ``frame`` (where a signal handler runs) is ``Run.__exit__`` or called from it."""
+    while frame is not None:
+        if frame.f_code is Run.__exit__.__code__:
+            return True
+        frame = frame.f_back
+    return False

@@ -32,6 +32,7 @@ from jobs import run_countdown, run_math, run_redteam, run_tldr
 from plumbing import checkpoint
 from plumbing.checkpoint import claimed, load_checkpoint, resume_metrics, save_checkpoint
 from plumbing.config import ConfigError, RunError
+from plumbing.run import Run
 from test_tba import tiny_examples
 from trainer import Parts, run_tba
 
@@ -441,6 +442,11 @@ class PoolWhoseStopFails:
         raise RuntimeError("the searchers did not stop")
 
 
+class PoolWhoseStopsSucceed(PoolWhoseStopFails):
+    def stop(self) -> None:
+        self.stopped = True
+
+
 def test_the_final_checkpoint_is_written_when_stopping_the_searchers_fails(
     tiny_model_dir, tmp_path
 ):
@@ -470,4 +476,57 @@ def test_the_final_checkpoint_is_written_when_stopping_the_searchers_fails(
     with pytest.raises(RuntimeError, match="the searchers did not stop"):
         run_tba(cfg, tiny_examples(), lambda c, e: 0.0, parts=Parts(pool=pool), show_progress=False)
     assert pools[0].stopped
+    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt", torch.device("cpu"))["step"] == 3
+
+
+def test_a_signal_as_the_run_ends_does_not_skip_the_final_checkpoint(tiny_model_dir, tmp_path):
+    """torchrun sends SIGTERM to every rank the moment one dies, so on a live rank it lands as
+    the failed collective's error unwinds into plumbing/run.Run.__exit__: the final checkpoint
+    is still written, and the run's own error is the one raised. Here SIGTERM is sent as
+    ``__exit__`` is called (a profile hook set by the failing step), where it once escaped
+    ``__exit__`` before the save (1 run of the data-parallel kill test in 5 in the suite)."""
+    cfg = cpu_config(
+        tiny_model_dir,
+        output_dir=str(tmp_path / "run"),
+        total_steps=1000,
+        checkpoint_every=1000,
+        prompts_per_step=2,
+        searcher_batch_prompts=2,
+        num_generations=4,
+        responses_per_prompt=4,
+        initial_samples=8,
+        barrier_lag=-1,  # the scripted data is of version 0 throughout
+        max_train_lag=-1,
+        replay_ratio=0.0,
+        timeout_s=60,
+    )
+    sent = []
+
+    def sigterm_on_exit(frame, event, arg):
+        if event == "call" and frame.f_code is Run.__exit__.__code__:
+            sys.setprofile(None)
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_step(trainer, metrics):
+        if trainer.step == 3:
+            sys.setprofile(sigterm_on_exit)
+            raise RuntimeError("rank 1 died")
+
+    raised = None
+    try:
+        run_tba(
+            cfg,
+            tiny_examples(),
+            lambda c, e: 0.0,
+            parts=Parts(pool=PoolWhoseStopsSucceed),
+            on_step=on_step,
+            show_progress=False,
+        )
+    except BaseException as error:  # noqa: BLE001 -- a KeyboardInterrupt must not end pytest
+        raised = error
+    finally:
+        sys.setprofile(None)
+    assert sent, "the hook never saw Run.__exit__ called"
+    assert isinstance(raised, RuntimeError) and str(raised) == "rank 1 died", repr(raised)
     assert load_checkpoint(tmp_path / "run" / "checkpoint.pt", torch.device("cpu"))["step"] == 3
