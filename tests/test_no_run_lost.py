@@ -411,9 +411,9 @@ def test_resume_drops_a_torn_last_metrics_line_with_a_warning(tmp_path):
 # ----------------------------------------------------------------------------- the final save
 
 
-class PoolWhoseStopFails:
+class ScriptedPool:
     """A searcher pool in this process, called as SearcherPool is: it hands the trainer
-    scripted trajectories of version 0, and its ``stop`` raises."""
+    scripted trajectories of version 0."""
 
     def __init__(self, cfg, examples, reward_fn, store, make, log):
         self.prompts_per_batch = cfg.searcher_batch_prompts
@@ -439,20 +439,17 @@ class PoolWhoseStopFails:
 
     def stop(self) -> None:
         self.stopped = True
+
+
+class PoolWhoseStopFails(ScriptedPool):
+    def stop(self) -> None:
+        super().stop()
         raise RuntimeError("the searchers did not stop")
 
 
-class PoolWhoseStopsSucceed(PoolWhoseStopFails):
-    def stop(self) -> None:
-        self.stopped = True
-
-
-def test_the_final_checkpoint_is_written_when_stopping_the_searchers_fails(
-    tiny_model_dir, tmp_path
-):
-    """plumbing/run.Run.__exit__: a stop that raises is raised after the final checkpoint,
-    which holds the last step (no periodic save came before it)."""
-    cfg = cpu_config(
+def scripted_cfg(tiny_model_dir: str, tmp_path: Path):
+    """Three steps on a ScriptedPool's data, no periodic checkpoint: only the final one."""
+    return cpu_config(
         tiny_model_dir,
         output_dir=str(tmp_path / "run"),
         total_steps=3,
@@ -467,6 +464,14 @@ def test_the_final_checkpoint_is_written_when_stopping_the_searchers_fails(
         replay_ratio=0.0,
         timeout_s=60,
     )
+
+
+def test_the_final_checkpoint_is_written_when_stopping_the_searchers_fails(
+    tiny_model_dir, tmp_path
+):
+    """plumbing/run.Run.__exit__: a stop that raises is raised after the final checkpoint,
+    which holds the last step (no periodic save came before it)."""
+    cfg = scripted_cfg(tiny_model_dir, tmp_path)
     pools = []
 
     def pool(*args):
@@ -489,21 +494,7 @@ def test_a_signal_as_the_run_ends_does_not_skip_the_final_checkpoint(
     ``__exit__`` is called (a profile hook set by the step), where it once escaped ``__exit__``
     before the save (1 run of the data-parallel kill test in 2 full-suite runs). After the last
     step the signal is not dropped either: the run says it was stopped, after the save."""
-    cfg = cpu_config(
-        tiny_model_dir,
-        output_dir=str(tmp_path / "run"),
-        total_steps=3,
-        checkpoint_every=1000,
-        prompts_per_step=2,
-        searcher_batch_prompts=2,
-        num_generations=4,
-        responses_per_prompt=4,
-        initial_samples=8,
-        barrier_lag=-1,  # the scripted data is of version 0 throughout
-        max_train_lag=-1,
-        replay_ratio=0.0,
-        timeout_s=60,
-    )
+    cfg = scripted_cfg(tiny_model_dir, tmp_path)
     sent = []
 
     def sigterm_on_exit(frame, event, arg):
@@ -524,7 +515,7 @@ def test_a_signal_as_the_run_ends_does_not_skip_the_final_checkpoint(
             cfg,
             tiny_examples(),
             lambda c, e: 0.0,
-            parts=Parts(pool=PoolWhoseStopsSucceed),
+            parts=Parts(pool=ScriptedPool),
             on_step=on_step,
             show_progress=False,
         )
