@@ -24,7 +24,7 @@ from transformers import (
 
 from engines import VLLMEngine, WeightStore
 from extensions import checks
-from extensions.evaluate import EngineProcess, EvalConfig, EvalHFEngine, Evaluator, to_examples
+from extensions.evaluate import EvalConfig, EvalHFEngine, Evaluator, to_examples
 from extensions.grpo import padded
 from extensions.tiny import cpu_config, save_tiny_model, synthetic_problems
 from helpers import (
@@ -295,10 +295,12 @@ def test_vllm_compiled_engine_loads_published_weights_and_keeps_the_process_rng(
 
 @needs_cpu_vllm
 @pytest.mark.slow
-def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
+def test_evaluator_on_vllm_equals_transformers_and_stops_on_a_mismatched_load(vllm_model_dir):
     """Greedy accuracy through the vLLM evaluation engine (which loads the trainer's weights and
     checks the parity probe) equals the transformers one, on examples where roughly half of the
-    answers are right."""
+    answers are right. Then, on the same engine process (its start is most of this test's time),
+    a load whose probe log-prob is not the trainer's raises WeightsNotLoaded with the check's
+    message, as a searcher's does, and the process is gone."""
 
     tok = AutoTokenizer.from_pretrained(vllm_model_dir)
     model = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
@@ -316,35 +318,19 @@ def test_evaluator_on_vllm_equals_transformers(vllm_model_dir):
     eval_cfg = EvalConfig(eval_batch_size=16)
     hf_cfg = vllm_cfg(vllm_model_dir, engine="hf", max_new_tokens=24)
     on_hf = Evaluator(hf_cfg, eval_cfg, tok).accuracy(model, examples)
-    evaluator = Evaluator(cfg, eval_cfg, tok, probe=probe(cfg, 1e-3))
+    parity = probe(cfg, 1e-3)
+    evaluator = Evaluator(cfg, eval_cfg, tok, probe=parity)
     try:
         on_vllm = evaluator.accuracy(model, examples)
-    finally:
-        evaluator.close()  # its engine's process
-    assert on_vllm == on_hf and 0.2 < on_hf <= 0.5
-    assert evaluator.checked_loads == 1  # the parity probe matched after the load
-    assert not evaluator.vllm.proc.is_alive()
-
-
-@needs_cpu_vllm
-@pytest.mark.slow
-def test_evaluator_engine_process_checks_each_load_and_stops_on_a_mismatch(vllm_tied_model_dir):
-    """The evaluator's engine process checks the parity probe after each load, as a searcher
-    does: a load whose probe log-prob is not the trainer's raises WeightsNotLoaded here, with
-    the check's message, and the process is gone."""
-    cfg = vllm_cfg(vllm_tied_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(vllm_tied_model_dir)
-    parity = probe(cfg, 1e-3)
-    engine = EngineProcess(cfg, torch.device("cpu"), 1, 0.2, parity)
-    try:
+        assert on_vllm == on_hf and 0.2 < on_hf <= 0.5
+        assert evaluator.checked_loads == 1  # the parity probe matched after the load
         named = perturbed(model, seed=5)
         expected = parity.logprob(model, 0, torch.device("cpu"))
-        engine.load_weights(named, expected)  # the weights arrived: nothing raised
         with pytest.raises(WeightsNotLoaded, match="evaluator: post-sync parity check failed"):
-            engine.load_weights(named, expected + 5.0)
-        assert not engine.proc.is_alive()
+            evaluator.vllm.load_weights(named, expected + 5.0)
+        assert not evaluator.vllm.proc.is_alive()
     finally:
-        engine.close()
+        evaluator.close()  # its engine's process
 
 
 @needs_cpu_vllm
@@ -391,17 +377,18 @@ def test_vllm_run_restarts_a_killed_searcher_and_sigint_stops_every_process(
     vllm_tied_model_dir, tmp_path
 ):
     """Two tests on one run, as both need the same vLLM processes (their start is most of
-    each one's time). The main job with two vLLM searcher processes on CPU and the evaluator's
+    each one's time). The main job with a vLLM searcher process on CPU and the evaluator's
     vLLM engine process: versions advance, every load passes the parity check (at 1e-3, fp32
-    engines), and a SIGKILLed searcher is restarted with the newest weights and delivers;
-    then Ctrl-C (SIGINT to the main process) stops every process of the run."""
+    engines), and the SIGKILLed searcher is restarted with the newest weights and delivers;
+    then Ctrl-C (SIGINT to the main process) stops every process of the run. One searcher, as
+    a second would add a vLLM start and no path: test_system restarts one of two."""
     with cli_run(
         vllm_tied_model_dir,
         tmp_path,
         "--engine",
         "vllm",
         "--num_searchers",
-        "2",
+        "1",
         "--searcher_devices",
         "cpu",
         "--total_steps",
@@ -414,9 +401,9 @@ def test_vllm_run_restarts_a_killed_searcher_and_sigint_stops_every_process(
         # Hangs, not slow starts: this whole test took 164 s at a load of 15 on two cores.
         wait_for_rows(tmp_path, 3, proc, timeout=480)
         # The evaluator's engine process started first (the evaluation before training); the
-        # two searchers after it.
+        # searcher after it.
         children = spawned_children(proc.pid)
-        assert len(children) == 3, children
+        assert len(children) == 2, children
         killed_at = len(complete_rows(tmp_path))
         os.kill(children[-1], signal.SIGKILL)
         # A vLLM start takes about 20 s on two idle cores, several times that when loaded.
@@ -424,8 +411,7 @@ def test_vllm_run_restarts_a_killed_searcher_and_sigint_stops_every_process(
         while True:
             last = complete_rows(tmp_path)[-1]
             restarted = last["async/searcher_restarts"] == 1
-            versions = [last.get(f"searcher{rank}/version", 0) for rank in (0, 1)]
-            if restarted and min(versions) > killed_at:  # the killed one delivered again
+            if restarted and last["searcher0/version"] > killed_at:  # it delivered again
                 break
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, f"no restarted searcher's data: {last}"
