@@ -79,6 +79,16 @@ def run_reporting_failures(rank: int, out_queue, body: Callable[[], None]) -> No
     out_queue.cancel_join_thread()
 
 
+def exit_cause(exitcode: int | None) -> tuple[str, bool]:
+    """Why a child ended, and whether a restart may help. SIGTERM is an order to stop, not a
+    fault: torchrun sends it to a rank's whole process group when another rank dies, as job
+    schedulers do, so the trainer has it too and is ending, and a restart would only give the
+    ending run a starting searcher to wait for (OPERATIONS.md, "Shutting down")."""
+    if exitcode == -signal.SIGTERM:
+        return "stopped by SIGTERM, an order to stop the run", False
+    return f"exit code {exitcode}", True
+
+
 class ProcessPool:
     """Child processes ``targets[rank]`` (picklable callables, run in ``ctx``'s processes) that
     write to one bounded ``queue``; ``stop_event`` asks them to end. ``collect`` runs on the
@@ -151,7 +161,7 @@ class ProcessPool:
                     trajectories += self.receive(message)
             for rank, proc in enumerate(self.procs):
                 if not proc.is_alive():
-                    self._failed(rank, f"exit code {proc.exitcode}")
+                    self._failed(rank, *exit_cause(proc.exitcode))
             return trajectories
 
     def drain(self, timeout: float = 0.0) -> list:

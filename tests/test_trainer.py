@@ -8,6 +8,7 @@ import dataclasses
 import math
 import multiprocessing
 import random
+import signal
 import sys
 import time
 import types
@@ -270,6 +271,34 @@ def test_pool_does_not_restart_a_searcher_whose_weights_did_not_arrive(tiny_mode
         with pytest.raises(SearcherFailed, match="not restarted"), time_limit(10):
             pool.collect(timeout=5.0)
         assert pool.restarts == 0
+    finally:
+        pool.queue.cancel_join_thread()
+        pool.queue.close()
+
+
+@pytest.mark.parametrize(
+    "exitcode, restarted", [(-signal.SIGTERM, False), (-signal.SIGKILL, True), (1, True)]
+)
+def test_pool_restarts_a_dead_searcher_unless_sigterm_ended_it(tiny_model_dir, exitcode, restarted):
+    """A searcher that died (killed, or exited) is restarted; one that SIGTERM ended is not:
+    torchrun and job schedulers send it to the whole process group, so the run is ending, and
+    a restart only gives it a starting searcher to wait for (plumbing.processes.exit_cause)."""
+    cfg = cpu_config(tiny_model_dir, max_searcher_restarts=3)
+    pool = SearcherPool(cfg, tiny_examples(), digit_reward, store=None)
+    dead = types.SimpleNamespace(
+        is_alive=lambda: False, join=lambda timeout: None, kill=lambda: None, exitcode=exitcode
+    )
+    pool.procs = [dead]
+    started = []
+    pool.start = started.append  # the restart, without a process
+    try:
+        with time_limit(10):
+            if restarted:
+                pool.collect()
+            else:
+                with pytest.raises(SearcherFailed, match=r"stopped by SIGTERM.*not restarted"):
+                    pool.collect()
+        assert (pool.restarts, started) == ((1, [0]) if restarted else (0, []))
     finally:
         pool.queue.cancel_join_thread()
         pool.queue.close()
