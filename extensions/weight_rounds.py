@@ -174,9 +174,12 @@ class GroupWeightSource:
         except WeightGroupError as exc:
             self.group.close()
             self.group = None
-            # An operation given up may still write into the old copy: receive into a new one.
             with self.cond:
-                self.staging = self._new_staging()
+                # A bucket given up may still write into the copy: receive into a new one. A
+                # staged copy is whole (every bucket landed before the flag) and stays: a new
+                # copy behind it would hand the engine bytes no version holds.
+                if self.staged is None:
+                    self.staging = self._new_staging()
             return str(exc)
         return None
 
