@@ -443,8 +443,9 @@ def test_weight_group_member_killed_or_hung_mid_broadcast():
             said(3, "joined")
             os.kill(members["b"].pid, signal.SIGSTOP)
             t0 = time.monotonic()
-            # Ours or gloo's own timeout (the same deadline), whichever notices first.
-            by_deadline = "the deadline passed|[Tt]imeout"
+            # Ours or gloo's own timeout (the same deadline), whichever notices first; gloo
+            # words it "Timeout ..." or "Timed out waiting 2000ms for send operation ...".
+            by_deadline = "the deadline passed|[Tt]imeout|[Tt]imed out"
             with pytest.raises(weight_group.WeightGroupError, match=by_deadline):
                 deadline = t0 + hung_deadline_s
                 third.broadcast(payload, GROUP_BUCKET, deadline)
