@@ -540,10 +540,8 @@ def test_a_member_hands_the_engine_only_whole_versions_when_a_round_fails(fail_a
     """A round that fails after the member staged the version (its confirmation given up: the
     round was held by another member frozen, as when a node is removed mid-broadcast) leaves
     that version staged, and the engine gets its bytes; one that fails mid-broadcast stages
-    nothing, and the engine keeps what it holds. The staging copy was once replaced whatever
-    the failure, behind a version still staged: the engine loaded bytes no version held, and
-    the parity check failed (test_node_removed_mid_broadcast_actor_comes_back_elsewhere, 1
-    pass of 10 beside a CPU hog)."""
+    nothing, and the engine keeps what it holds (docs/ray.md, "Data", says why). The member's
+    state is start()'s, without Ray or the receiver thread."""
     layout = [("w", 0, (8, 16))]
     source = weight_rounds.GroupWeightSource(None, layout, torch.float32, "gloo", 1 << 20, 5.0)
     source.rank = 1
