@@ -181,6 +181,41 @@ def test_staleness_through_the_buffer_trains_what_the_buffer_samples(tmp_path, m
     assert run["offpolicy"]["offpolicy/rho_abs_mean"] >= 0
 
 
+def test_time_to_accuracy_reports_the_ratio_with_its_bootstrap_interval_and_steps():
+    """A rival's time over async's comes with the 95% bootstrap interval of the ratio of the two
+    medians (identical seeds give a point; a slow outlier widens the interval's top, not its
+    bottom) and each mode's median steps to the target, from the runs' snapshots."""
+    interval = bench_accuracy.median_ratio_interval
+    assert interval([2.0, 2.0, 2.0], [1.0, 1.0]) == (2.0, 2.0)
+    low, high = interval([10.0, 11.0, 12.0, 30.0, 9.0], [5.0, 6.0, 7.0, 8.0, 4.0])
+    assert low < 10.0 / 6.0 < high and low > 1.0 and high >= 30.0 / 8.0 - 1e-9
+    # By hand for two seeds a mode: the median is the mean of the two draws, 1/4 of the draws
+    # take each single value twice, so the 2.5% and 97.5% points are the extreme ratios.
+    assert interval([1.0, 3.0], [1.0, 2.0], draws=4000) == (0.5, 3.0)
+
+    def run(mode, seed, curve):
+        return {
+            "task": "tiny",
+            "mode": mode,
+            "seed": seed,
+            "curve": curve,
+            "generated": [128 * (i + 1) for i in range(len(curve))],
+            "time_to": {str(th): bench_accuracy.first_time(curve, th) for th in (0.8, 0.85, 0.9)},
+            "steps_per_s": curve[-1][1] / curve[-1][0],
+            "samples_per_s": 1.0,
+            "lag_mean": 1.0,
+            "mop_frac": 0.95,
+            "accounting": {"searcher_s": 0.06, "seconds_per_step": 0.1},
+        }
+
+    fast = [(0.0, 0, 0.6), (1.0, 10, 0.86), (2.0, 20, 0.9)]
+    slow = [(0.0, 0, 0.6), (1.0, 5, 0.7), (2.0, 10, 0.86), (3.0, 15, 0.9)]
+    runs = [run("async", 0, fast), run("sync", 0, slow)]
+    summary = bench_accuracy.summarize(runs, 60.0)
+    assert summary["rivals"]["sync"] == 2.0 and summary["rivals_interval"]["sync"] == (2.0, 2.0)
+    assert summary["async"]["steps_to_target"] == 10 and summary["sync"]["steps_to_target"] == 10
+
+
 def test_ray_puts_the_timed_runs_searchers_on_the_clusters_searcher_nodes():
     """--ray ADDRESS: run_tba's pool becomes ray_searchers' actors, asking for the 'searcher'
     resource that extensions/ray_searchers.py's loopback cluster offers on its worker nodes only;
@@ -243,6 +278,8 @@ def test_bench_quick_writes_every_key(tmp_path):
             assert 0 < tta[mode]["generate_share_f"] < 1 and tta[mode]["overlap_limit"] >= 1
             assert math.isfinite(tta["rivals"][mode])
         assert "one forward pass" in tta["proximal_0.05"]["extra_per_step"]
+        low, high = tta["rivals_interval"]["proximal_0.05"]
+        assert 0 < low <= high and tta["proximal_0.05"]["steps_to_target"] > 0
         assert tta["task"] == task and 0 < tta["generate_share_f"] < 1
         for key in ("window_accuracy", "step_accuracy", "generated_accuracy", "accounting"):
             assert key in tta["async"], key
@@ -269,6 +306,7 @@ def test_bench_quick_writes_every_key(tmp_path):
         assert engines["vllm_load_s"] > 0 and engines["hf_load_s"] > 0
     assert "sync / async time to 0.85" in proc.stdout  # the printed report
     assert "the strongest rival" in proc.stdout
+    assert "95% bootstrap" in proc.stdout and "steps to 0.85" in proc.stdout
     assert "overlap alone gives at most" in proc.stdout
     stale = res["staleness"]
     assert set(stale["summary"]["tb"]) == {"0", "2"}

@@ -24,7 +24,9 @@ time_to_accuracy   The tiny task (run_gsm8k's tiny preset) from one supervised w
                    with the trust region at radius R (proximal_R: the core's rule, anchored
                    on on-policy data at the previous update's weights; two_pass_R: a second
                    update a batch against the sampler, extensions/sync_region.py), each with
-                   its own f and overlap limit, and names the strongest; two processes over
+                   its own f and overlap limit, and names the strongest; each rival's time
+                   over async's comes with its 95% bootstrap interval and both modes' median
+                   steps to the target (time = steps / steps a second); two processes over
                    one are measured after each seed.
 time_to_accuracy_hard  The same on the harder tiny task (extensions/tiny.py: three-digit
                    sums, warm start 0.335 on 400 held-out sums, which RL lifts slowly for a
@@ -155,10 +157,14 @@ def print_time_to_accuracy(res: dict, section: str, plot_path: str | None) -> No
     )
     for mode in modes[1:]:
         row = tta[mode]
+        low, high = tta["rivals_interval"][mode]
         print(
-            f"  {mode}: time to {tta['target']} over async's {tta['rivals'][mode]:.2f}, "
-            f"f {row['generate_share_f']:.2f}, overlap limit {row['overlap_limit']:.2f}x; "
-            f"pays beyond plain sync: {row['extra_per_step']}"
+            f"  {mode}: time to {tta['target']} over async's {tta['rivals'][mode]:.2f} "
+            f"[95% bootstrap {low:.2f}-{high:.2f}], f {row['generate_share_f']:.2f}, overlap "
+            f"limit {row['overlap_limit']:.2f}x; async {tta['async']['steps_per_s']:.2f} against "
+            f"{row['steps_per_s']:.2f} steps/s, {tta['async']['steps_to_target']:.0f} against "
+            f"{row['steps_to_target']:.0f} steps to {tta['target']}; pays beyond plain sync: "
+            f"{row['extra_per_step']}"
         )
     print(
         f"sync / async time to {tta['target']}: {tta['sync_over_async']:.2f}; the strongest "

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import random
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -235,6 +237,27 @@ def first_time(curve: list[tuple], level: float) -> float | None:
     return next((wall for wall, _, acc in curve if acc >= level), None)
 
 
+def first_step(curve: list[tuple], level: float) -> int | None:
+    """Steps to the first snapshot at or above ``level`` (None: never)."""
+    return next((step for _, step, acc in curve if acc >= level), None)
+
+
+def median_ratio_interval(
+    over: list[float], under: list[float], draws: int = 10_000, seed: int = 0
+) -> tuple[float, float]:
+    """The 95% percentile-bootstrap interval of median(over) / median(under), the seeds of each
+    mode resampled with replacement on their own (they are not paired: each mode's seed
+    drives its own sampling). Five first crossings spread over a factor of 2-3, so a ratio of
+    medians without its interval says little (docs/tiny.md)."""
+    rng = random.Random(seed)
+    ratios = sorted(
+        statistics.median(rng.choices(over, k=len(over)))
+        / statistics.median(rng.choices(under, k=len(under)))
+        for _ in range(draws)
+    )
+    return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
+
+
 def window_means(runs: list[dict], x: str, width: float, end: float) -> dict[str, float]:
     """Mean accuracy of each run over each window of ``width`` along ``x`` (seconds, steps or
     trajectories generated), median over the runs: a first crossing of a noisy curve is noisy,
@@ -288,6 +311,12 @@ def summarize(runs: list[dict], budget_s: float) -> dict:
                 "max": filled[-1],
                 "reached": len(reached),
             }
+        # Steps to the target: time = steps / (steps a second), so a rival's time over async's
+        # splits into what overlap buys (steps a second) and what a step teaches (steps).
+        steps_to = [first_step(r["curve"], spec.target) for r in mine]
+        row["steps_to_target"] = statistics.median(
+            s if s is not None else math.inf for s in steps_to
+        )
         for key in ("steps_per_s", "samples_per_s", "lag_mean", "mop_frac"):
             row[key] = statistics.median(r[key] for r in mine)
         row["accounting"] = {
@@ -319,6 +348,14 @@ def summarize(runs: list[dict], budget_s: float) -> dict:
     out["budget_s"] = budget_s
     out["target"] = spec.target
     out["rivals"] = {m: out[m][target]["median"] / out["async"][target]["median"] for m in rivals}
+
+    def times(mode: str) -> list[float]:  # to the target; a run that never got there: the budget
+        return [
+            t if t is not None else budget_s
+            for t in (r["time_to"][target] for r in runs if r["mode"] == mode)
+        ]
+
+    out["rivals_interval"] = {m: median_ratio_interval(times(m), times("async")) for m in rivals}
     strongest = min(rivals, key=lambda m: out[m][target]["median"])
     out["strongest_rival"] = strongest
     out["rival_over_async"] = out["rivals"][strongest]
