@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import random
 import statistics
 import tempfile
@@ -298,24 +297,28 @@ def summarize(runs: list[dict], budget_s: float) -> dict:
     rivals = [mode for mode in modes if mode != "async"]
     target = str(spec.target)
     out = {"modes": modes}
+    to_target = {}  # each mode's seconds to the target, a run per seed (for the intervals)
     for mode in modes:
         mine = [r for r in runs if r["mode"] == mode]
         row = {"seeds": len(mine)}
         for th in map(str, spec.levels):
             times = [r["time_to"][th] for r in mine]
             reached = [t for t in times if t is not None]
-            filled = sorted(t if t is not None else budget_s for t in times)
+            filled = [t if t is not None else budget_s for t in times]
             row[th] = {
                 "median": statistics.median(filled),
-                "min": filled[0],
-                "max": filled[-1],
+                "min": min(filled),
+                "max": max(filled),
                 "reached": len(reached),
             }
+            if th == target:
+                to_target[mode] = filled
         # Steps to the target: time = steps / (steps a second), so a rival's time over async's
-        # splits into what overlap buys (steps a second) and what a step teaches (steps).
-        steps_to = [first_step(r["curve"], spec.target) for r in mine]
+        # splits into what overlap buys (steps a second) and what a step teaches (steps). A run
+        # that never got there counts as the steps it took, as its time counts as the budget.
+        steps = [first_step(r["curve"], spec.target) for r in mine]
         row["steps_to_target"] = statistics.median(
-            s if s is not None else math.inf for s in steps_to
+            s if s is not None else r["curve"][-1][1] for s, r in zip(steps, mine, strict=True)
         )
         for key in ("steps_per_s", "samples_per_s", "lag_mean", "mop_frac"):
             row[key] = statistics.median(r[key] for r in mine)
@@ -348,14 +351,9 @@ def summarize(runs: list[dict], budget_s: float) -> dict:
     out["budget_s"] = budget_s
     out["target"] = spec.target
     out["rivals"] = {m: out[m][target]["median"] / out["async"][target]["median"] for m in rivals}
-
-    def times(mode: str) -> list[float]:  # to the target; a run that never got there: the budget
-        return [
-            t if t is not None else budget_s
-            for t in (r["time_to"][target] for r in runs if r["mode"] == mode)
-        ]
-
-    out["rivals_interval"] = {m: median_ratio_interval(times(m), times("async")) for m in rivals}
+    out["rivals_interval"] = {
+        m: median_ratio_interval(to_target[m], to_target["async"]) for m in rivals
+    }
     strongest = min(rivals, key=lambda m: out[m][target]["median"])
     out["strongest_rival"] = strongest
     out["rival_over_async"] = out["rivals"][strongest]
